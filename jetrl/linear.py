@@ -9,7 +9,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'ge
            'linear_sqnr', 'FP8Linear', 'default_module_filter', 'convert_to_fp8', 'fp8_modules', 'set_recipe',
            'saved_activation_bytes']
 
-# %% ../nbs/01_linear.ipynb #fcf41c44
+# %% ../nbs/01_linear.ipynb #3518a7f4
 from dataclasses import dataclass, field, replace
 from typing import Callable
 import torch
@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, KERNEL_BLOCK
 
-# %% ../nbs/01_linear.ipynb #791b9f34
+# %% ../nbs/01_linear.ipynb #5e93e1e8
 GEMMS = ("fprop", "dgrad", "wgrad")
 GRANULARITIES = ("blockwise", "rowwise", "tensorwise", "none")
 
@@ -70,17 +70,20 @@ def get_recipe(recipe: "str | FP8Recipe") -> FP8Recipe:
         raise ValueError(f"Unknown recipe {recipe!r}: use one of {sorted(RECIPES)} or build an FP8Recipe.")
     return RECIPES[recipe]
 
-# %% ../nbs/01_linear.ipynb #03dc4ce1
+# %% ../nbs/01_linear.ipynb #754e3e7c
 def quantize_weight(hp_weight: torch.Tensor, recipe: "str | FP8Recipe", gemm: str = "fprop") -> FP8Tensor:
     "The FP8 weight (N, K) that `gemm` uses under `recipe`: the one weight quantizer of jetrl."
     recipe = get_recipe(recipe)
     if not recipe.quantizes: raise ValueError(f"Recipe {recipe.name!r} does not quantize: there is no FP8 weight.")
     return quantize_unchecked(hp_weight.detach(), recipe.block("w", gemm), recipe.weight_fmt, recipe.pow2_scale)
 
-# %% ../nbs/01_linear.ipynb #8249d6d7
-def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str) -> FP8Tensor:
+# %% ../nbs/01_linear.ipynb #76612936
+def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, transposed_layout: bool = False) -> FP8Tensor:
+    "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
-    return quantize_unchecked(t, recipe.block(operand, gemm), fmt, recipe.pow2_scale)
+    block = recipe.block(operand, gemm)
+    if transposed_layout: return quantize_unchecked(t.t(), block[::-1], fmt, recipe.pow2_scale).t()
+    return quantize_unchecked(t, block, fmt, recipe.pow2_scale)
 
 class FP8LinearFunction(torch.autograd.Function):
     "y = x @ W.T + b with Fprop, Dgrad and Wgrad quantized per an FP8Recipe; x is saved in FP8."
@@ -111,22 +114,21 @@ class FP8LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if recipe.is_fp8("dgrad"):
-                dx = fp8_mm(_quantize(dy2d, recipe, "dy", "dgrad"), _quantize(hp_weight, recipe, "w", "dgrad"),
+                dx = fp8_mm(_quantize(dy2d, recipe, "dy", "dgrad"), _quantize(hp_weight, recipe, "w", "dgrad", True),
                             out_dtype=dy.dtype)
             else:
                 dx = dy2d @ hp_weight.to(dy.dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if recipe.is_fp8("wgrad"):
-                dw = fp8_mm(_quantize(dy2d, recipe, "dy", "wgrad").t(), _quantize(x2d, recipe, "x", "wgrad"),
-                            out_dtype=torch.float32)
+                dw = fp8_mm(_quantize(dy2d, recipe, "dy", "wgrad", True).t(), _quantize(x2d, recipe, "x", "wgrad", True),
+                            out_dtype=hp_weight.dtype)                  # (N, K), accumulated in fp32
             else:
-                dw = dy2d.float().t() @ x2d.float()
-            dw = dw.to(hp_weight.dtype)
+                dw = (dy2d.float().t() @ x2d.float()).to(hp_weight.dtype)
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
 
-# %% ../nbs/01_linear.ipynb #04e6d114
+# %% ../nbs/01_linear.ipynb #10405c13
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
     from jetrl.fp8 import sqnr
@@ -138,7 +140,7 @@ def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Ten
         results[fn] = (y.detach(), xi.grad, wi.grad)
     return {name: sqnr(ref, out) for name, ref, out in zip(("y", "dx", "dw"), results["fp32"], results["fp8"])}
 
-# %% ../nbs/01_linear.ipynb #ef8d7546
+# %% ../nbs/01_linear.ipynb #b64c71a0
 class FP8Linear(nn.Linear):
     "An nn.Linear whose three GEMMs follow an FP8Recipe; the master weight stays in its own dtype."
 
@@ -165,7 +167,7 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
-# %% ../nbs/01_linear.ipynb #4431bf9f
+# %% ../nbs/01_linear.ipynb #f4e1632b
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -194,7 +196,7 @@ def set_recipe(model: nn.Module, recipe: "str | FP8Recipe") -> nn.Module:
     for m in fp8_modules(model).values(): m.recipe = recipe
     return model
 
-# %% ../nbs/01_linear.ipynb #c2fef527
+# %% ../nbs/01_linear.ipynb #6091e14d
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: "list[torch.Tensor]" = ()) -> int:
     "Bytes of the tensors autograd saves for backward while `fn()` runs, parameters excluded."
     param_ptrs = {p.data_ptr() for p in params}

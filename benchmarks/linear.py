@@ -1,0 +1,151 @@
+"""Time a transformer MLP block, forward + backward, compiled: BF16 vs jetrl's FP8 linear per recipe, with
+torchao's float8 training in the same run as the reference.
+
+    python benchmarks/linear.py                     # 7B-shaped: d=4096, hidden=11008, 16384 tokens
+    python benchmarks/linear.py --tokens 2048 --out benchmarks/results/linear_small.json
+
+Prints one JSON object per configuration (recipe, implementation, ms, speedup_vs_bf16, TFLOP/s) and writes
+them all to --out. Needs a CUDA GPU with FP8 tensor cores (blockwise: Hopper); torchao is optional.
+"""
+import argparse, copy, json, logging, platform, statistics, sys, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from jetrl.linear import convert_to_fp8, get_recipe
+
+
+class MLP(nn.Module):
+    "The gated MLP of a Llama/Qwen block: down(silu(gate(x)) * up(x))."
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def time_ms(fn, warmup: int, reps: int) -> list[float]:
+    "Per-call times in ms, measured with CUDA events after `warmup` calls."
+    for _ in range(warmup): fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); fn(); end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def print_top_kernels(step, title: str, steps: int = 3, top: int = 14):
+    "Where one step's GPU time goes: the kernels with the most total time, per step."
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps): step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / steps / 1e3
+    print(f"# {title}: {total:.2f} ms of kernels per step", file=sys.stderr)
+    for e in events[:top]:
+        print(f"#   {e.device_time_total / steps / 1e3:7.3f} ms  x{e.count // steps:<3d} {e.key[:110]}", file=sys.stderr)
+
+
+def torchao_variants():
+    "torchao's float8 training recipes available here, as (name, convert function)."
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    variants = []
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        for recipe in ("tensorwise", "rowwise"):
+            config = Float8LinearConfig.from_recipe_name(recipe)
+            variants.append((recipe, lambda m, c=config: convert_to_float8_training(m, config=c)))
+    except Exception as e:  # noqa: BLE001 - report and go on without the reference
+        print(f"# torchao float8 unavailable: {e!r}", file=sys.stderr)
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+        def to_blockwise(m, use_triton):
+            for name, child in list(m.named_children()):
+                if isinstance(child, nn.Linear):
+                    new = Float8BlockwiseLinear.from_float(child); new.use_triton = use_triton
+                    setattr(m, name, new)
+            return m
+        variants.append(("blockwise", lambda m: to_blockwise(m, False)))
+        variants.append(("blockwise-triton", lambda m: to_blockwise(m, True)))
+    except Exception as e:  # noqa: BLE001
+        print(f"# torchao blockwise prototype unavailable: {e!r}", file=sys.stderr)
+    return variants
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=11008)
+    p.add_argument("--recipes", default="blockwise,rowwise,tensorwise")
+    p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", default=None, help="write all results to this JSON file")
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of each jetrl configuration")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/linear.py needs a CUDA GPU (FP8 GEMMs); on CPU run the notebooks' emulated path instead.")
+
+    torch.manual_seed(0)
+    device, dtype = "cuda", torch.bfloat16
+    base = MLP(args.dim, args.hidden).to(device, dtype)
+    x = torch.randn(args.tokens, args.dim, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(args.tokens, args.dim, device=device, dtype=dtype)
+    gemm_flops = 3 * 3 * 2 * args.tokens * args.dim * args.hidden   # 3 linears x (fprop, dgrad, wgrad)
+
+    configs = [("torch", "bf16", lambda m: m)]
+    configs += [("jetrl", r, lambda m, r=r: convert_to_fp8(m, get_recipe(r))) for r in args.recipes.split(",")]
+    if not args.no_torchao: configs += [("torchao", name, fn) for name, fn in torchao_variants()]
+
+    torch._dynamo.config.cache_size_limit = 64   # one compiled graph per configuration, all of one MLP.forward
+    results, bf16_ms = [], None
+    with torch.no_grad(): y_ref = base(x).float()
+    for impl, recipe, convert in configs:
+        torch._dynamo.reset()
+        model = convert(copy.deepcopy(base))
+        run = model if args.no_compile else torch.compile(model)
+        params = list(model.parameters())
+        def step():
+            y = run(x)
+            return torch.autograd.grad(y, [x, *params], dy)
+        t0 = time.perf_counter()
+        try:
+            grads = step(); torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a reference that fails here is reported, not fatal
+            print(json.dumps({"impl": impl, "recipe": recipe, "error": repr(e)[:300]}), flush=True); continue
+        compile_s = time.perf_counter() - t0
+        y = run(x).detach().float()
+        out_sqnr = float(20 * torch.log10(y_ref.norm() / (y_ref - y).norm())) if impl != "torch" else float("inf")
+        del y, grads
+        times = time_ms(step, args.warmup, args.reps)
+        ms = statistics.median(times)
+        if impl == "torch": bf16_ms = ms
+        row = dict(impl=impl, recipe=recipe, ms=round(ms, 3), ms_min=round(min(times), 3),
+                   speedup_vs_bf16=round(bf16_ms / ms, 3), tflops=round(gemm_flops / ms / 1e9, 1),
+                   output_sqnr_db=round(out_sqnr, 1), compile_s=round(compile_s, 1),
+                   tokens=args.tokens, dim=args.dim, hidden=args.hidden, compiled=not args.no_compile,
+                   device=torch.cuda.get_device_name(), torch=torch.__version__)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        if args.profile and impl != "torchao": print_top_kernels(step, f"{impl} {recipe}")
+        del model, run
+        torch.cuda.empty_cache()
+        if args.out:  # rewritten after every configuration, so a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(dict(command="python " + " ".join(sys.argv), python=platform.python_version(),
+                               results=results), f, indent=1)
+    print("\n| impl | recipe | ms | speedup vs bf16 | TFLOP/s | output SQNR dB |\n|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['impl']} | {r['recipe']} | {r['ms']} | {r['speedup_vs_bf16']}x | {r['tflops']} | {r['output_sqnr_db']} |")
+
+
+if __name__ == "__main__":
+    main()
