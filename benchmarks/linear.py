@@ -65,14 +65,11 @@ def torchao_variants():
         print(f"# torchao float8 unavailable: {e!r}", file=sys.stderr)
     try:
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
-        def to_blockwise(m, use_triton):
+        def to_blockwise(m):
             for name, child in list(m.named_children()):
-                if isinstance(child, nn.Linear):
-                    new = Float8BlockwiseLinear.from_float(child); new.use_triton = use_triton
-                    setattr(m, name, new)
+                if isinstance(child, nn.Linear): setattr(m, name, Float8BlockwiseLinear.from_float(child))
             return m
-        variants.append(("blockwise", lambda m: to_blockwise(m, False)))
-        variants.append(("blockwise-triton", lambda m: to_blockwise(m, True)))
+        variants.append(("blockwise", to_blockwise))
     except Exception as e:  # noqa: BLE001
         print(f"# torchao blockwise prototype unavailable: {e!r}", file=sys.stderr)
     return variants

@@ -9,13 +9,13 @@ __all__ = ['FP8_DTYPES', 'Block', 'POW2_SCALE_LIMIT', 'KERNEL_BLOCK', 'fp8_dtype
            'compute_scale', 'FP8Tensor', 'quantize_unchecked', 'check_quantizable', 'quantize', 'sqnr', 'kernel_layout',
            'has_fp8_kernel', 'fp8_mm']
 
-# %% ../nbs/00_fp8.ipynb #ca279f90
+# %% ../nbs/00_fp8.ipynb #7cebe2f4
 from typing import NamedTuple, Sequence
 import math
 import torch
 import torch.nn.functional as F
 
-# %% ../nbs/00_fp8.ipynb #78790c01
+# %% ../nbs/00_fp8.ipynb #8829ee8a
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 def fp8_dtype(fmt: str) -> torch.dtype:
@@ -28,7 +28,7 @@ def fp8_max(fmt: str) -> float:
     "The largest finite number of an FP8 format: 448 for E4M3, 57344 for E5M2."
     return torch.finfo(fp8_dtype(fmt)).max
 
-# %% ../nbs/00_fp8.ipynb #52341030
+# %% ../nbs/00_fp8.ipynb #dae976ef
 Block = Sequence[int] | None
 
 def resolve_block(shape: Sequence[int], block: Block) -> tuple[int, ...]:
@@ -52,7 +52,7 @@ def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     "Shape of the scale tensor: one scale per block, the last block of a dimension may be partial."
     return tuple(math.ceil(dim / size) for dim, size in zip(shape, block))
 
-# %% ../nbs/00_fp8.ipynb #0e5cda7b
+# %% ../nbs/00_fp8.ipynb #92a5489d
 def _blocked_view(x32: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     "Pad `x32` to whole blocks and view it as (n0, b0, n1, b1, ...)."
     padding = []
@@ -75,7 +75,7 @@ def compute_scale(amax: torch.Tensor, fmt: str = "e4m3", pow2_scale: bool = Fals
     scale = torch.where(amax > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), torch.ones_like(scale))
     return scale
 
-# %% ../nbs/00_fp8.ipynb #5de82326
+# %% ../nbs/00_fp8.ipynb #392e65ae
 class FP8Tensor(NamedTuple):
     "A quantized tensor: `dequantize() == data.float() * scale` broadcast over each block."
     data: torch.Tensor          # float8, the original shape
@@ -103,7 +103,7 @@ class FP8Tensor(NamedTuple):
     def __repr__(self):
         return f"FP8Tensor(shape={tuple(self.shape)}, fmt={self.fmt!r}, block={self.block}, scales={tuple(self.scale.shape)})"
 
-# %% ../nbs/00_fp8.ipynb #fd39316e
+# %% ../nbs/00_fp8.ipynb #98f6d931
 def quantize_unchecked(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = False) -> FP8Tensor:
     "The quantizer without input checks: the hot path of the FP8 linear layer (compiles to one kernel)."
     block = resolve_block(x.shape, block)
@@ -114,7 +114,7 @@ def quantize_unchecked(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_sc
     data = _crop(data.reshape([n * b for n, b in zip(scale.shape[::2], block)]), x.shape)
     return FP8Tensor(data, scale.reshape(scale.shape[::2]), block, fmt)
 
-# %% ../nbs/00_fp8.ipynb #e0619abd
+# %% ../nbs/00_fp8.ipynb #7d584716
 def check_quantizable(x: torch.Tensor, name: str = "input"):
     "Raise a clear error if `x` cannot be quantized: wrong dtype, or NaN/Inf values (how many, where)."
     if not isinstance(x, torch.Tensor):
@@ -143,14 +143,14 @@ def quantize(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool 
                          "dequantized value can round up past the fp32 maximum; use pow2_scale=False or rescale the input.")
     return quantize_unchecked(x, block, fmt, pow2_scale)
 
-# %% ../nbs/00_fp8.ipynb #4f18108d
+# %% ../nbs/00_fp8.ipynb #85e4b07f
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     "Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|); inf if equal."
     reference, approx = reference.detach().double(), approx.detach().double()
     noise = (reference - approx).norm()
     return float("inf") if noise == 0 else float(20 * torch.log10(reference.norm() / noise))
 
-# %% ../nbs/00_fp8.ipynb #ff977475
+# %% ../nbs/00_fp8.ipynb #c693cf9b
 KERNEL_BLOCK = 128  # the block edge of Hopper's blockwise FP8 GEMM
 
 def _is_whole(t: FP8Tensor) -> bool: return t.scale.numel() == 1
@@ -171,7 +171,7 @@ def has_fp8_kernel(device: torch.device, layout: str | None) -> bool:
     capability = torch.cuda.get_device_capability(device)
     return capability >= (9, 0) if layout.startswith("blockwise") else capability >= (8, 9)
 
-# %% ../nbs/00_fp8.ipynb #56424c12
+# %% ../nbs/00_fp8.ipynb #8b5c4eae
 def _round_up(n: int, multiple: int) -> int: return math.ceil(n / multiple) * multiple
 
 def _pad_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -186,36 +186,38 @@ def _pad_scale(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def _column_major(t: torch.Tensor) -> torch.Tensor: return t.t().contiguous().t()
 
-@torch.library.custom_op("jetrl::fp8_gemm", mutates_args=())
-def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+# inputs arrive contiguous (K-major) from the compiled quantizers: inductor must not pick other strides
+_CONTIGUOUS_INPUTS = getattr(torch.Tag, "needs_contiguous_strides", torch.Tag.needs_fixed_stride_order)
+
+@torch.library.custom_op("jetrl::fp8_gemm", mutates_args=(), tags=(_CONTIGUOUS_INPUTS,))
+def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, bt_data: torch.Tensor, bt_scale: torch.Tensor,
               layout: str, out_dtype: torch.dtype) -> torch.Tensor:
-    "The real FP8 GEMM (a: (M, K), b: (K, N)) through torch's scaled_mm, with every layout it expects."
+    """The real FP8 GEMM `a @ bt.T`, both operands given K-major: a (M, K) and bt (N, K), each with its
+    scales in the same (row, K) orientation. The kernel's layouts are made here, from contiguous inputs."""
     from torch.nn.functional import scaled_mm, ScalingType
-    (M, K), N = a_data.shape, b_data.shape[1]
-    if layout == "tensorwise":
-        return torch._scaled_mm(a_data.contiguous(), _column_major(b_data), a_scale.reshape(()), b_scale.reshape(()),
-                                out_dtype=out_dtype)
-    if layout == "rowwise":
-        return torch._scaled_mm(a_data.contiguous(), _column_major(b_data), a_scale.reshape(M, 1).contiguous(),
-                                b_scale.reshape(1, N).contiguous(), out_dtype=out_dtype)
+    (M, K), N = a_data.shape, bt_data.shape[0]
+    if layout in ("tensorwise", "rowwise"):
+        shape_a, shape_b = ((), ()) if layout == "tensorwise" else ((M, 1), (1, N))
+        return torch._scaled_mm(a_data.contiguous(), bt_data.contiguous().t(), a_scale.reshape(shape_a).contiguous(),
+                                bt_scale.reshape(shape_b).contiguous(), out_dtype=out_dtype)
     G = KERNEL_BLOCK
     Mp, Kp, Np = (_round_up(n, G) for n in (M, K, N))
-    a_data, b_data = _pad_fp8(a_data.contiguous(), Mp, Kp), _column_major(_pad_fp8(b_data, Kp, Np))
-    a_scale = _column_major(_pad_scale(a_scale, Mp, Kp // G))                        # (M, K/G), K-major
-    if layout == "blockwise_1x128_128x128":
-        b_scale = _column_major(_pad_scale(b_scale, _round_up(Kp // G, 4), Np // G))   # (L4, N/G), K-major
+    a_data, bt_data = _pad_fp8(a_data.contiguous(), Mp, Kp), _pad_fp8(bt_data.contiguous(), Np, Kp)
+    a_scale = _pad_scale(a_scale, Mp, Kp // G).t().contiguous().t()                   # (M, K/G), K-major
+    if layout == "blockwise_1x128_128x128":                                           # (L4, N/G), K-major, L4 = K/G
+        bt_scale = _pad_scale(bt_scale, Np // G, _round_up(Kp // G, 4)).contiguous().t()  # rounded up to 4
         b_recipe = ScalingType.BlockWise128x128
     else:
-        b_scale = _pad_scale(b_scale, Kp // G, Np).contiguous().t()                  # (N, K/G), K-major
+        bt_scale = _pad_scale(bt_scale, Np, Kp // G).t().contiguous().t()             # (N, K/G), K-major
         b_recipe = ScalingType.BlockWise1x128
-    out = scaled_mm(a_data, b_data, a_scale, ScalingType.BlockWise1x128, b_scale, b_recipe, output_dtype=out_dtype)
+    out = scaled_mm(a_data, bt_data.t(), a_scale, ScalingType.BlockWise1x128, bt_scale, b_recipe, output_dtype=out_dtype)
     return out[:M, :N].contiguous()
 
 @_fp8_gemm.register_fake
-def _(a_data, a_scale, b_data, b_scale, layout, out_dtype):
-    return a_data.new_empty((a_data.shape[0], b_data.shape[1]), dtype=out_dtype)
+def _(a_data, a_scale, bt_data, bt_scale, layout, out_dtype):
+    return a_data.new_empty((a_data.shape[0], bt_data.shape[0]), dtype=out_dtype)
 
-# %% ../nbs/00_fp8.ipynb #286c7d94
+# %% ../nbs/00_fp8.ipynb #7044a9df
 def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """`a @ b` for quantized `a` (M, K) and `b` (K, N), accumulated in fp32, returned as `out_dtype`.
     backend: 'auto' (the real kernel where the device has one, else emulation), 'kernel' or 'emulated'."""
@@ -228,5 +230,5 @@ def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32, b
     if backend == "kernel" and not use_kernel:
         raise RuntimeError(f"No FP8 kernel for blocks {a.block} x {b.block} on {a.data.device}: kernels exist for "
                            "tensorwise, rowwise and Hopper blockwise layouts on CUDA; use backend='auto'.")
-    if use_kernel: return _fp8_gemm(a.data, a.scale, b.data, b.scale, layout, out_dtype)
+    if use_kernel: return _fp8_gemm(a.data, a.scale, b.data.t(), b.scale.t(), layout, out_dtype)
     return (a.dequantize() @ b.dequantize()).to(out_dtype)
