@@ -9,7 +9,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'ge
            'linear_sqnr', 'FP8Linear', 'default_module_filter', 'convert_to_fp8', 'fp8_modules', 'set_recipe',
            'saved_activation_bytes']
 
-# %% ../nbs/01_linear.ipynb #51b0ab74
+# %% ../nbs/01_linear.ipynb #d8b6f67a
 from dataclasses import dataclass, field, replace
 from typing import Callable
 import torch
@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, KERNEL_BLOCK
 
-# %% ../nbs/01_linear.ipynb #56b56775
+# %% ../nbs/01_linear.ipynb #cb3f7d0b
 GEMMS = ("fprop", "dgrad", "wgrad")
 GRANULARITIES = ("blockwise", "rowwise", "tensorwise", "none")
 
@@ -70,20 +70,23 @@ def get_recipe(recipe: "str | FP8Recipe") -> FP8Recipe:
         raise ValueError(f"Unknown recipe {recipe!r}: use one of {sorted(RECIPES)} or build an FP8Recipe.")
     return RECIPES[recipe]
 
-# %% ../nbs/01_linear.ipynb #3f373056
+# %% ../nbs/01_linear.ipynb #240c232f
 def quantize_weight(hp_weight: torch.Tensor, recipe: "str | FP8Recipe", gemm: str = "fprop") -> FP8Tensor:
     "The FP8 weight (N, K) that `gemm` uses under `recipe`: the one weight quantizer of jetrl."
     recipe = get_recipe(recipe)
     if not recipe.quantizes: raise ValueError(f"Recipe {recipe.name!r} does not quantize: there is no FP8 weight.")
     return quantize_unchecked(hp_weight.detach(), recipe.block("w", gemm), recipe.weight_fmt, recipe.pow2_scale)
 
-# %% ../nbs/01_linear.ipynb #c1aa634c
+# %% ../nbs/01_linear.ipynb #e82c8dfe
 def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, transposed_layout: bool = False) -> FP8Tensor:
     "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
     block = recipe.block(operand, gemm)
-    if transposed_layout: return quantize_unchecked(t.t(), block[::-1], fmt, recipe.pow2_scale).t()
-    return quantize_unchecked(t, block, fmt, recipe.pow2_scale)
+    if not transposed_layout: return quantize_unchecked(t, block, fmt, recipe.pow2_scale)
+    # quantizing the view t.T keeps t's memory order: write the bytes transposed (fused into the quantizer
+    # by torch.compile), else the GEMM would have to copy them
+    t_fp8 = quantize_unchecked(t.t(), block[::-1], fmt, recipe.pow2_scale)
+    return t_fp8._replace(data=t_fp8.data.contiguous(), scale=t_fp8.scale.contiguous()).t()
 
 class FP8LinearFunction(torch.autograd.Function):
     "y = x @ W.T + b with Fprop, Dgrad and Wgrad quantized per an FP8Recipe; x is saved in FP8."
@@ -128,7 +131,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
 
-# %% ../nbs/01_linear.ipynb #51a3284f
+# %% ../nbs/01_linear.ipynb #e9c02fb6
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
     from jetrl.fp8 import sqnr
@@ -140,7 +143,7 @@ def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Ten
         results[fn] = (y.detach(), xi.grad, wi.grad)
     return {name: sqnr(ref, out) for name, ref, out in zip(("y", "dx", "dw"), results["fp32"], results["fp8"])}
 
-# %% ../nbs/01_linear.ipynb #defc37a2
+# %% ../nbs/01_linear.ipynb #f045f3f7
 class FP8Linear(nn.Linear):
     "An nn.Linear whose three GEMMs follow an FP8Recipe; the master weight stays in its own dtype."
 
@@ -167,7 +170,7 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
-# %% ../nbs/01_linear.ipynb #6d426b7f
+# %% ../nbs/01_linear.ipynb #4af5e88c
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -196,7 +199,7 @@ def set_recipe(model: nn.Module, recipe: "str | FP8Recipe") -> nn.Module:
     for m in fp8_modules(model).values(): m.recipe = recipe
     return model
 
-# %% ../nbs/01_linear.ipynb #ec57166f
+# %% ../nbs/01_linear.ipynb #c07fe877
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: "list[torch.Tensor]" = ()) -> int:
     "Bytes of the tensors autograd saves for backward while `fn()` runs, parameters excluded."
     param_ptrs = {p.data_ptr() for p in params}
