@@ -7,14 +7,14 @@ Docs: https://jetrl.github.io/jetrl/rollout.html.md"""
 # %% auto #0
 __all__ = ['SamplingParams', 'Rollout', 'sample_next', 'RolloutEngine', 'recompute_log_probs']
 
-# %% ../nbs/05_rollout.ipynb #8f8dc7d9
+# %% ../nbs/05_rollout.ipynb #c8972d0e
 import math, time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #1dfc5ad8
+# %% ../nbs/05_rollout.ipynb #e93a46a7
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -26,6 +26,7 @@ class SamplingParams:
     top_p: float = 1.0              # 1: no nucleus truncation
     stop: tuple[str, ...] = ()      # stop strings (the completion keeps the stop string)
     seed: int | None = None
+    ignore_eos: bool = False        # generate max_new_tokens whatever comes (benchmarks)
 
     def __post_init__(self):
         if self.n < 1: raise ValueError(f"n (samples per prompt) must be at least 1, got {self.n}.")
@@ -38,7 +39,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #5dd972b5
+# %% ../nbs/05_rollout.ipynb #95fa5ce6
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -64,7 +65,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #a2ce9fa8
+# %% ../nbs/05_rollout.ipynb #44cf42a7
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -83,7 +84,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #76db0da9
+# %% ../nbs/05_rollout.ipynb #4be3cb3f
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -109,7 +110,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #97c59cd0
+# %% ../nbs/05_rollout.ipynb #20405f79
 class RolloutEngine:
     "jetrl's embedded rollout engine: batched generation over the rollout side of a Policy (or any causal LM)."
 
@@ -143,11 +144,12 @@ class RolloutEngine:
         if not prompts: raise ValueError("No prompts: give a non-empty list of strings (or token-id lists).")
         model, device = self.model, next(self.model.parameters()).device
         prompt_rows = _prompt_token_ids(self.tokenizer, prompts, self.chat_template)
+        empty = [i for i, r in enumerate(prompt_rows) if len(r) == 0]
+        if empty: raise ValueError(f"Prompt(s) {empty[:5]} tokenized to no tokens: give non-empty prompts.")
         too_long = [i for i, r in enumerate(prompt_rows) if len(r) + params.max_new_tokens > self.max_context()]
         if too_long:
             raise ValueError(f"{len(too_long)} prompt(s) (first: #{too_long[0]}, {len(prompt_rows[too_long[0]])} tokens) plus "
                              f"max_new_tokens={params.max_new_tokens} exceed the model's context of {self.max_context()} tokens.")
-        if any(len(r) == 0 for r in prompt_rows): raise ValueError("A prompt tokenized to no tokens: give non-empty prompts.")
         generator = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
         if device.type == "cuda": torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -185,7 +187,7 @@ class RolloutEngine:
             tokens, logp = sample_next(last_logits, params, generator)                 # (A,)
             out_ids[active, step], out_logp[active, step] = tokens, logp
             lengths[active] += 1
-            done = torch.isin(tokens, eos)
+            done = torch.isin(tokens, eos) if not params.ignore_eos else torch.zeros_like(tokens, dtype=torch.bool)
             for j in done.nonzero().flatten().tolist(): finish[active[j]] = "eos"
             if params.stop:
                 for j, row in enumerate(active.tolist()):
@@ -220,7 +222,7 @@ class RolloutEngine:
         tail = self.tokenizer.decode(ids[-32:].tolist(), skip_special_tokens=True)
         return any(s in tail for s in stops)
 
-# %% ../nbs/05_rollout.ipynb #2e012a3e
+# %% ../nbs/05_rollout.ipynb #f122e145
 def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
     "The trainer's view: log-probs of the rollout's completion tokens, recomputed in one forward: (B, C)."
     from jetrl.policy import token_log_probs

@@ -1,0 +1,150 @@
+"""The embedded rollout engine: against transformers.generate, against the trainer, and its errors."""
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from jetrl.policy import Policy
+from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs, sample_next
+
+CORPUS = ["What is 12 + 34? 46. The cat sat on the mat. Stop here. Answer: 7"] * 10
+PROMPTS = ["What is 12 + 34?", "The cat", "sat on the mat. The cat sat on", "Answer:"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        special_tokens=["<pad>", "<eos>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+
+
+def make_model(tokenizer, seed=0, eos_boost=1.0, context=256):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=context,
+                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    with torch.no_grad(): model.lm_head.weight[tokenizer.eos_token_id] *= eos_boost
+    return model
+
+
+def hf_greedy(model, tokenizer, prompts, max_new_tokens):
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    return out[:, batch["input_ids"].shape[1]:]
+
+
+@pytest.mark.parametrize("eos_boost", [1.0, 2.5])
+def test_greedy_equals_transformers_generate(tokenizer, eos_boost):
+    "Exactly HF's tokens, ragged prompts (left padding), with (2.5) and without (1.0) early EOS."
+    model = make_model(tokenizer, eos_boost=eos_boost)
+    ours = RolloutEngine(model, tokenizer, chat_template=False).generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=16))
+    theirs = hf_greedy(model, tokenizer, PROMPTS, 16)
+    for i in range(len(PROMPTS)):
+        n = int(ours.completion_lengths[i])
+        assert ours.completion_ids[i, :n].tolist() == theirs[i, :n].tolist()
+        if ours.finish_reasons[i] == "eos": assert ours.completion_ids[i, n - 1] == tokenizer.eos_token_id
+        else: assert n == 16 and ours.finish_reasons[i] == "length"
+    if eos_boost > 1: assert "eos" in ours.finish_reasons
+
+
+def test_rows_do_not_influence_each_other(tokenizer):
+    "A prompt's greedy completion is the same alone and in a batch where other rows finish early."
+    model = make_model(tokenizer, eos_boost=2.5)
+    engine = RolloutEngine(model, tokenizer, chat_template=False)
+    batch = engine.generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=12))
+    for i, p in enumerate(PROMPTS):
+        alone = engine.generate([p], SamplingParams(do_sample=False, max_new_tokens=12))
+        n = int(alone.completion_lengths[0])
+        assert batch.completion_ids[i, :n].tolist() == alone.completion_ids[0, :n].tolist()
+
+
+def test_data_object_layout(tokenizer):
+    model = make_model(tokenizer)
+    r = RolloutEngine(model, tokenizer, chat_template=False).generate(PROMPTS[:2], SamplingParams(n=3, max_new_tokens=8, seed=0))
+    assert len(r) == 6 and r.group.tolist() == [0, 0, 0, 1, 1, 1]
+    assert r.prompts == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert r.input_ids.shape == (6, r.prompt_ids.shape[1] + 8) and r.attention_mask.shape == r.input_ids.shape
+    assert (r.logprobs[r.completion_mask == 0] == 0).all() and (r.logprobs[r.completion_mask == 1] <= 0).all()
+    assert (r.completion_ids[r.completion_mask == 0] == tokenizer.pad_token_id).all()
+    assert r.timing["generated_tokens"] == int(r.completion_mask.sum()) and r.timing["tokens_per_s"] > 0
+    assert len(r.completions) == 6 and all(isinstance(t, str) for t in r.completions)
+
+
+def test_seeded_sampling_is_reproducible(tokenizer):
+    engine = RolloutEngine(make_model(tokenizer), tokenizer, chat_template=False)
+    a, b = (engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=10, seed=7)) for _ in range(2))
+    c = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=10, seed=8))
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_stop_strings_and_ignore_eos(tokenizer):
+    model = make_model(tokenizer, eos_boost=2.5)
+    engine = RolloutEngine(model, tokenizer, chat_template=False)
+    free = engine.generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=16, ignore_eos=True))
+    assert free.completion_lengths.tolist() == [16] * len(PROMPTS) and set(free.finish_reasons) == {"length"}
+    # stop on a piece of text the first row really generates
+    text = free.completions[0]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), f"degenerate completion {text!r}"
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(do_sample=False, max_new_tokens=16, stop=(stop,), ignore_eos=True))
+    assert stopped.finish_reasons == ["stop"] and stop in stopped.completions[0]
+    assert int(stopped.completion_lengths[0]) < 16 and text.startswith(stopped.completions[0])
+
+
+def test_top_k_and_top_p_truncate():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50)
+    gen = torch.Generator().manual_seed(0)
+    tokens, logp = sample_next(logits, SamplingParams(top_k=5), gen)
+    top5 = logits.topk(5, -1).indices
+    assert (top5 == tokens[:, None]).any(-1).all()
+    renormalised = torch.log_softmax(logits.gather(-1, top5), -1)                  # log-prob under the truncated distribution
+    assert torch.allclose(logp, renormalised[(top5 == tokens[:, None])])
+    tokens, _ = sample_next(logits, SamplingParams(top_p=0.5), gen)
+    probs = logits.softmax(-1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    rank = (order == tokens[:, None]).float().argmax(-1)
+    mass_before = torch.stack([sorted_probs[i, :rank[i]].sum() for i in range(64)])
+    assert (mass_before < 0.5).all()                                                # only the nucleus is ever sampled
+
+
+def test_log_probs_match_trainer_per_strategy(tokenizer):
+    "bf16: summation order only; jet: median 0, rare FP8 rounding flips; fp8-rollout: every token differs."
+    stats = {}
+    for strategy in ["bf16", "jet", "fp8-rollout"]:
+        policy = Policy(make_model(tokenizer), tokenizer, strategy)
+        r = RolloutEngine(policy, chat_template=False).generate(PROMPTS, SamplingParams(n=4, max_new_tokens=20, seed=0))
+        with torch.no_grad(): gap = (recompute_log_probs(policy.model, r) - r.logprobs).abs()[r.completion_mask.bool()]
+        stats[strategy] = gap
+    assert stats["bf16"].max() < 1e-5
+    assert stats["jet"].median() < 1e-6 and stats["jet"].mean() < stats["fp8-rollout"].mean() / 20
+    assert stats["fp8-rollout"].median() > 1e-3
+
+
+def test_chat_template_prompts(tokenizer):
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>", pad_token="<pad>")
+    tokenizer.chat_template = "{% for m in messages %}Q: {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} A:{% endif %}"
+    engine = RolloutEngine(make_model(tokenizer), tokenizer, chat_template=True)
+    r = engine.generate(["What is 12 + 34?"], SamplingParams(do_sample=False, max_new_tokens=2))
+    expected = tokenizer("Q: What is 12 + 34? A:", add_special_tokens=False)["input_ids"]
+    assert r.prompt_ids[0, r.prompt_mask[0].bool()].tolist() == expected
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(n=0), "n \\(samples per prompt\\)"), (dict(temperature=0.0), "temperature must be > 0 when sampling"),
+    (dict(temperature=-1.0, do_sample=False), "temperature must be > 0"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens")])
+def test_bad_sampling_params(bad, message):
+    with pytest.raises(ValueError, match=message): SamplingParams(**bad)
+
+
+def test_bad_prompts(tokenizer):
+    engine = RolloutEngine(make_model(tokenizer, context=24), tokenizer, chat_template=False)
+    with pytest.raises(ValueError, match="No prompts"): engine.generate([])
+    with pytest.raises(ValueError, match="exceed the model's context of 24"):
+        engine.generate(["The cat sat on the mat. " * 3], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="no tokens"): engine.generate([""])
+    with pytest.raises(ValueError, match="needs a tokenizer"): RolloutEngine(make_model(tokenizer))
