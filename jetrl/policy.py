@@ -9,7 +9,7 @@ __all__ = ['HP_DTYPES', 'STRATEGIES', 'CHECKPOINT_VERSION', 'SUPPORTED_FAMILIES'
            'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'token_log_probs', 'train_log_probs',
            'rollout_log_probs', 'save_checkpoint', 'load_checkpoint', 'load_model_and_tokenizer', 'load_policy']
 
-# %% ../nbs/04_policy.ipynb #e27b21b7
+# %% ../nbs/04_policy.ipynb #ed47694d
 import copy, json, os, time, warnings
 from dataclasses import dataclass, asdict, field, replace
 from pathlib import Path
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .linear import (FP8Recipe, FP8Linear, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8,
                           fp8_modules, set_recipe, quantize_weight)
 
-# %% ../nbs/04_policy.ipynb #0b6f4eef
+# %% ../nbs/04_policy.ipynb #1393a203
 HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def get_strategy(strategy: "str | PrecisionSpec") -> PrecisionSpec:
         raise ValueError(f"Unknown strategy {strategy!r}: use one of {sorted(STRATEGIES)} or build a PrecisionSpec.")
     return STRATEGIES[strategy]
 
-# %% ../nbs/04_policy.ipynb #8b111caa
+# %% ../nbs/04_policy.ipynb #bffedba1
 def _keep_filter(spec: PrecisionSpec):
     return lambda module, fqn: fqn.split(".")[-1] not in spec.keep_high_precision
 
@@ -90,7 +90,7 @@ def build_rollout_copy(model: nn.Module, recipe: FP8Recipe) -> nn.Module:
         setattr(rollout.get_submodule(parent), child, engine_linear)
     return rollout.eval().requires_grad_(False)
 
-# %% ../nbs/04_policy.ipynb #1df0a842
+# %% ../nbs/04_policy.ipynb #96d95216
 @dataclass
 class SyncReport:
     "What a weight sync did: how many weights it quantized or copied, the bytes it wrote, and its time."
@@ -142,15 +142,18 @@ class Policy:
                 f"rollout={self.spec.rollout_recipe.name}{'' if self.spec.shared_weights else ' (separate FP8 copy)'}, "
                 f"hp_dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/04_policy.ipynb #cdaa493e
+# %% ../nbs/04_policy.ipynb #d03d209b
 def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    temperature: float = 1.0) -> torch.Tensor:
-    "log p(token t | tokens < t) for t = 1..T-1: (B, T) ids -> (B, T-1) fp32 log-probs (logits / temperature)."
+                    temperature: float = 1.0, with_entropy: bool = False):
+    """log p(token t | tokens < t) for t = 1..T-1: (B, T) ids -> (B, T-1) fp32 log-probs (logits / temperature).
+    With `with_entropy`, also the entropy of each predicted distribution, (B, T-1)."""
     if attention_mask is None: attention_mask = torch.ones_like(input_ids)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    if not with_entropy: return logp
+    return logp, -(logp_all.exp() * logp_all).sum(-1).detach()
 
 def train_log_probs(policy: Policy, input_ids, attention_mask=None, temperature: float = 1.0) -> torch.Tensor:
     "Log-probs computed by the training side (with autograd when grad is enabled)."
@@ -161,7 +164,7 @@ def rollout_log_probs(policy: Policy, input_ids, attention_mask=None, temperatur
     "Log-probs computed by the rollout side (no grad; FP8 weights as of the last sync)."
     return token_log_probs(policy.rollout_model, input_ids, attention_mask, temperature)
 
-# %% ../nbs/04_policy.ipynb #6b23ef85
+# %% ../nbs/04_policy.ipynb #1c00abe8
 from safetensors.torch import save_file, load_file, save_model, load_model
 
 CHECKPOINT_VERSION = 1
@@ -216,7 +219,7 @@ def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
     policy.sync_weights()
     return meta
 
-# %% ../nbs/04_policy.ipynb #b7416075
+# %% ../nbs/04_policy.ipynb #179979b4
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
 def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype = torch.float32):
