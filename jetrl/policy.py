@@ -9,7 +9,7 @@ __all__ = ['HP_DTYPES', 'STRATEGIES', 'CHECKPOINT_VERSION', 'SUPPORTED_FAMILIES'
            'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'token_log_probs', 'train_log_probs',
            'rollout_log_probs', 'save_checkpoint', 'load_checkpoint', 'load_model_and_tokenizer', 'load_policy']
 
-# %% ../nbs/04_policy.ipynb #ed47694d
+# %% ../nbs/04_policy.ipynb #e8ab0dc5
 import copy, json, os, time, warnings
 from dataclasses import dataclass, asdict, field, replace
 from pathlib import Path
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .linear import (FP8Recipe, FP8Linear, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8,
                           fp8_modules, set_recipe, quantize_weight)
 
-# %% ../nbs/04_policy.ipynb #1393a203
+# %% ../nbs/04_policy.ipynb #5bbd54a5
 HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def get_strategy(strategy: "str | PrecisionSpec") -> PrecisionSpec:
         raise ValueError(f"Unknown strategy {strategy!r}: use one of {sorted(STRATEGIES)} or build a PrecisionSpec.")
     return STRATEGIES[strategy]
 
-# %% ../nbs/04_policy.ipynb #bffedba1
+# %% ../nbs/04_policy.ipynb #af738179
 def _keep_filter(spec: PrecisionSpec):
     return lambda module, fqn: fqn.split(".")[-1] not in spec.keep_high_precision
 
@@ -90,7 +90,7 @@ def build_rollout_copy(model: nn.Module, recipe: FP8Recipe) -> nn.Module:
         setattr(rollout.get_submodule(parent), child, engine_linear)
     return rollout.eval().requires_grad_(False)
 
-# %% ../nbs/04_policy.ipynb #96d95216
+# %% ../nbs/04_policy.ipynb #b6abc4d5
 @dataclass
 class SyncReport:
     "What a weight sync did: how many weights it quantized or copied, the bytes it wrote, and its time."
@@ -128,11 +128,12 @@ class Policy:
                     w_fp8 = quantize_weight(m.weight, self.spec.rollout_recipe)
                     rollout_modules[fqn].load_fp8_weight(w_fp8, m.bias)
                     nbytes += w_fp8.nbytes; quantized += 1
+                # the high-precision rest (embeddings, norms, lm_head): each distinct tensor once (tied weights share one)
+                handed_over = {f"{fqn}.{name}" for fqn in fp8_modules(self.model) for name in ("weight", "bias")}
                 rollout_state = self.rollout_model.state_dict(keep_vars=True)
-                for key, value in self.model.state_dict(keep_vars=True).items():
-                    if key in rollout_state and rollout_state[key].shape == value.shape and rollout_state[key].dtype == value.dtype:
-                        if rollout_state[key].data_ptr() != value.data_ptr():
-                            rollout_state[key].data.copy_(value.data); copied += 1; nbytes += value.numel() * value.element_size()
+                for key, value in [*self.model.named_parameters(), *self.model.named_buffers()]:
+                    if key in handed_over or key not in rollout_state: continue
+                    rollout_state[key].data.copy_(value.data); copied += 1; nbytes += value.numel() * value.element_size()
         if self.device.type == "cuda": torch.cuda.synchronize(self.device)
         self.last_sync = SyncReport(quantized, copied, nbytes, time.perf_counter() - start)
         return self.last_sync
@@ -142,7 +143,7 @@ class Policy:
                 f"rollout={self.spec.rollout_recipe.name}{'' if self.spec.shared_weights else ' (separate FP8 copy)'}, "
                 f"hp_dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/04_policy.ipynb #d03d209b
+# %% ../nbs/04_policy.ipynb #bf41c3a7
 def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     temperature: float = 1.0, with_entropy: bool = False):
     """log p(token t | tokens < t) for t = 1..T-1: (B, T) ids -> (B, T-1) fp32 log-probs (logits / temperature).
@@ -164,7 +165,7 @@ def rollout_log_probs(policy: Policy, input_ids, attention_mask=None, temperatur
     "Log-probs computed by the rollout side (no grad; FP8 weights as of the last sync)."
     return token_log_probs(policy.rollout_model, input_ids, attention_mask, temperature)
 
-# %% ../nbs/04_policy.ipynb #1c00abe8
+# %% ../nbs/04_policy.ipynb #c1bc052a
 from safetensors.torch import save_file, load_file, save_model, load_model
 
 CHECKPOINT_VERSION = 1
@@ -203,12 +204,13 @@ def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
     if not meta_file.exists():
         raise FileNotFoundError(f"{directory} is not a jetrl checkpoint (no checkpoint.json); checkpoints are written by save_checkpoint.")
     meta = json.loads(meta_file.read_text())
+    if optimizer is not None and "optimizer" not in meta:       # check before touching the policy
+        raise ValueError(f"{directory} holds no optimizer state (saved without an optimizer); load it with optimizer=None.")
     saved_spec = PrecisionSpec.from_dict(meta["spec"])
     if saved_spec != policy.spec:
         warnings.warn(f"checkpoint was saved under strategy {saved_spec.name!r}, loading into {policy.spec.name!r}")
     missing, unexpected = load_model(policy.model, str(directory / "model.safetensors"), strict=True, device=str(policy.device))
     if optimizer is not None:
-        if "optimizer" not in meta: raise ValueError(f"{directory} holds no optimizer state (saved without an optimizer).")
         tensors = load_file(str(directory / "optimizer.safetensors"), device=str(policy.device))
         state = {}
         for key, value in tensors.items():
@@ -219,7 +221,7 @@ def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
     policy.sync_weights()
     return meta
 
-# %% ../nbs/04_policy.ipynb #179979b4
+# %% ../nbs/04_policy.ipynb #784f3f74
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
 def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype = torch.float32):
