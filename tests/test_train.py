@@ -1,0 +1,117 @@
+"""The GRPO loop and the command line: a run, resume after a kill, output folders, errors."""
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from jetrl.cli import main
+from jetrl.grpo import GRPOConfig
+from jetrl.policy import Policy
+from jetrl.tasks import ArithmeticTask
+from jetrl.train import TrainConfig, train, read_metrics
+
+SMALL = ["--steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    "A random Llama with a byte-level BPE tokenizer that can write arithmetic answers, saved as a model folder."
+    rows = ArithmeticTask(digits=2).sample(100)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([r["prompt"] + " <answer>" + r["answer"] + "</answer>" for r in rows],
+                            trainers.BpeTrainer(vocab_size=384, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>", "<eos>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id, max_position_embeddings=128))
+    folder = tmp_path_factory.mktemp("model")
+    model.save_pretrained(folder); tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_train_writes_metrics_and_checkpoint(model_dir, tmp_path):
+    assert main(["train", "--model", model_dir, "--strategy", "fp8-rollout-tis", *SMALL, "--out", str(tmp_path / "run")]) == 0
+    config, steps = read_metrics(tmp_path / "run")
+    assert config["strategy"] == "fp8-rollout-tis" and config["grpo"]["tis_cap"] == 2.0     # the strategy turned TIS on
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]
+    for key in ["reward", "accuracy", "entropy", "grad_norm", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/logp_abs_diff_max",
+                "mismatch/ess", "mismatch/tis_clip_frac", "drift/kl_to_prev_policy", "time/rollout", "time/train", "sync/seconds"]:
+        assert key in steps[0], key
+    assert steps[0]["mismatch/logp_abs_diff_mean"] > 1e-4                                    # BF16 train vs FP8 rollout
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == ["checkpoint.json", "model.safetensors", "optimizer.safetensors"]
+
+
+def test_jet_mismatch_far_below_fp8_rollout(model_dir, tmp_path):
+    for strategy in ["jet", "fp8-rollout"]:
+        assert main(["train", "--model", model_dir, "--strategy", strategy, *SMALL, "--steps", "2", "--out", str(tmp_path / strategy)]) == 0
+    jet, common = (read_metrics(tmp_path / s)[1] for s in ["jet", "fp8-rollout"])
+    jet_gap = sum(m["mismatch/logp_abs_diff_mean"] for m in jet) / 2
+    common_gap = sum(m["mismatch/logp_abs_diff_mean"] for m in common) / 2
+    assert jet_gap < common_gap / 10, (jet_gap, common_gap)
+
+
+def test_existing_run_is_refused_then_resumed(model_dir, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", out]) == 0
+    assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", out]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--lr", "5e-4", "--out", out, "--resume"]) == 2
+    assert "another config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "fp4"], "invalid choice"), (["--steps", "0"], "steps must be >= 1"),
+    (["--model", "/no/such/model"], "not a local model folder"), (["--task", "sudoku"], "sudoku"),
+    (["--task-knobs", "digits=0"], "digits")])
+def test_bad_arguments(model_dir, tmp_path, capsys, args, message):
+    argv = ["train", "--model", model_dir, *SMALL, "--out", str(tmp_path / "bad"), *args]
+    try: code = main(argv)
+    except SystemExit as e: code = e.code                                  # argparse's own errors
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_unknown_strategy(model_dir, tmp_path, capsys):
+    assert main(["compare", "--model", model_dir, "--strategies", "bf16,fp3", *SMALL, "--out", str(tmp_path)]) == 2
+    assert "fp3" in capsys.readouterr().err
+
+
+def _final_weights(folder: Path) -> dict:
+    return load_file(str(folder / "checkpoint" / "model.safetensors"))
+
+
+def test_resume_after_kill_gives_the_same_weights(model_dir, tmp_path):
+    "Kill -9 a run mid-way, resume it, and end with exactly the weights of an uninterrupted run."
+    steps = ["--steps", "6"]
+    command = [sys.executable, "-m", "jetrl.cli", "train", "--model", model_dir, "--strategy", "jet", *SMALL, *steps]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([*command, "--out", str(tmp_path / "whole")], check=True, env=env, capture_output=True)
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([*command, "--out", str(killed)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:                                            # wait for two finished steps
+        metrics = killed / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3: break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL); process.wait()
+    done_before = len(read_metrics(killed)[1])
+    assert 2 <= done_before < 6, f"the kill came too late ({done_before} steps done)"
+    subprocess.run([*command, "--out", str(killed), "--resume"], check=True, env=env, capture_output=True)
+    assert [m["step"] for m in read_metrics(killed)[1]] == list(range(6))
+    whole, resumed = _final_weights(tmp_path / "whole"), _final_weights(killed)
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_callback_stops_cleanly_and_sees_every_step(model_dir, tmp_path):
+    from jetrl.policy import load_model_and_tokenizer
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    seen = []
+    config = TrainConfig(model=model_dir, strategy="bf16", steps=5, prompts_per_step=2, grpo=GRPOConfig(num_generations=4), max_new_tokens=6)
+    run = train(config, tmp_path / "cb", callbacks=[lambda m: seen.append(m["step"]) or len(seen) < 2],
+                policy=Policy(model, tokenizer, "bf16"))
+    assert seen == [0, 1] and len(run.history) == 2 and len(read_metrics(tmp_path / "cb")[1]) == 2
