@@ -9,7 +9,7 @@ __all__ = ['HP_DTYPES', 'STRATEGIES', 'CHECKPOINT_VERSION', 'SUPPORTED_FAMILIES'
            'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'token_log_probs', 'train_log_probs',
            'rollout_log_probs', 'save_checkpoint', 'load_checkpoint', 'load_model_and_tokenizer', 'load_policy']
 
-# %% ../nbs/04_policy.ipynb #e8ab0dc5
+# %% ../nbs/04_policy.ipynb #4758aa18
 import copy, json, os, time, warnings
 from dataclasses import dataclass, asdict, field, replace
 from pathlib import Path
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .linear import (FP8Recipe, FP8Linear, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8,
                           fp8_modules, set_recipe, quantize_weight)
 
-# %% ../nbs/04_policy.ipynb #5bbd54a5
+# %% ../nbs/04_policy.ipynb #bba3c210
 HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def get_strategy(strategy: "str | PrecisionSpec") -> PrecisionSpec:
         raise ValueError(f"Unknown strategy {strategy!r}: use one of {sorted(STRATEGIES)} or build a PrecisionSpec.")
     return STRATEGIES[strategy]
 
-# %% ../nbs/04_policy.ipynb #af738179
+# %% ../nbs/04_policy.ipynb #8b85463d
 def _keep_filter(spec: PrecisionSpec):
     return lambda module, fqn: fqn.split(".")[-1] not in spec.keep_high_precision
 
@@ -90,7 +90,7 @@ def build_rollout_copy(model: nn.Module, recipe: FP8Recipe) -> nn.Module:
         setattr(rollout.get_submodule(parent), child, engine_linear)
     return rollout.eval().requires_grad_(False)
 
-# %% ../nbs/04_policy.ipynb #b6abc4d5
+# %% ../nbs/04_policy.ipynb #c9d5d294
 @dataclass
 class SyncReport:
     "What a weight sync did: how many weights it quantized or copied, the bytes it wrote, and its time."
@@ -143,7 +143,7 @@ class Policy:
                 f"rollout={self.spec.rollout_recipe.name}{'' if self.spec.shared_weights else ' (separate FP8 copy)'}, "
                 f"hp_dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/04_policy.ipynb #bf41c3a7
+# %% ../nbs/04_policy.ipynb #ba3b8733
 def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     temperature: float = 1.0, with_entropy: bool = False):
     """log p(token t | tokens < t) for t = 1..T-1: (B, T) ids -> (B, T-1) fp32 log-probs (logits / temperature).
@@ -165,7 +165,7 @@ def rollout_log_probs(policy: Policy, input_ids, attention_mask=None, temperatur
     "Log-probs computed by the rollout side (no grad; FP8 weights as of the last sync)."
     return token_log_probs(policy.rollout_model, input_ids, attention_mask, temperature)
 
-# %% ../nbs/04_policy.ipynb #c1bc052a
+# %% ../nbs/04_policy.ipynb #8c58c69c
 from safetensors.torch import save_file, load_file, save_model, load_model
 
 CHECKPOINT_VERSION = 1
@@ -221,24 +221,25 @@ def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
     policy.sync_weights()
     return meta
 
-# %% ../nbs/04_policy.ipynb #784f3f74
+# %% ../nbs/04_policy.ipynb #cebf2756
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
 def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype = torch.float32):
     "(model, tokenizer) from a named offline model, a local folder, or (online) a hub name."
-    from jetrl.models import quiet_imports, load_smollm2
+    from jetrl.models import quiet_imports, load_smollm2, no_progress_bars
     quiet_imports()
     if name_or_path == "smollm2-135m": return load_smollm2(dtype)
     if name_or_path == "jetrl-tiny":
         from jetrl.tiny import load_tiny
-        return load_tiny(dtype)
+        with no_progress_bars(): return load_tiny(dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     local = Path(name_or_path).expanduser()
     if not local.is_dir() and (os.environ.get("HF_HUB_OFFLINE") == "1" or name_or_path.startswith((".", "/", "~"))):
         raise FileNotFoundError(f"{name_or_path!r} is not a local model folder, and hub downloads are off (HF_HUB_OFFLINE=1). "
                                 "Give a folder with config.json, the weights and the tokenizer, or 'jetrl-tiny' / 'smollm2-135m'.")
     source = str(local) if local.is_dir() else name_or_path
-    try: model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    try:
+        with no_progress_bars(): model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except OSError as e: raise FileNotFoundError(f"Could not load a causal LM from {name_or_path!r}: {e}") from e
     try: tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
