@@ -7,7 +7,7 @@ Docs: https://jetrl.github.io/jetrl/cli.html.md"""
 # %% auto #0
 __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_from_args', 'main']
 
-# %% ../nbs/09_cli.ipynb #eed62cd4
+# %% ../nbs/09_cli.ipynb #0bb23e58
 import argparse, json, math, sys
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +15,7 @@ from .grpo import GRPOConfig, LOSS_TYPES
 from .policy import STRATEGIES
 from .train import TrainConfig, train, read_metrics
 
-# %% ../nbs/09_cli.ipynb #31128006
+# %% ../nbs/09_cli.ipynb #f6de0bed
 REPORT_PANELS = [("reward", "reward"), ("accuracy", "accuracy"), ("mismatch/kl_k3", "mismatch KL (k3)"),
                  ("mismatch/logp_abs_diff_mean", "mean |log p_train - log p_rollout|"),
                  ("drift/kl_to_prev_policy", "drift: KL to previous policy"), ("time/step", "seconds per step")]
@@ -57,7 +57,7 @@ def write_report(out_dir: "str | Path", strategies: list[str]) -> Path:
     (out_dir / "report.html").write_text(html)
     return out_dir / "report.html"
 
-# %% ../nbs/09_cli.ipynb #990d4cf2
+# %% ../nbs/09_cli.ipynb #a1f00fc9
 def _knobs(text: str) -> tuple:
     "'digits=2,operands=3,operators=+-' -> (('digits', 2), ...), numbers as ints."
     knobs = []
@@ -76,13 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         else: s.add_argument("--strategies", default="bf16,fp8-rollout,jet")
         s.add_argument("--model", default="jetrl-tiny", help="jetrl-tiny, smollm2-135m, or a local model folder")
         s.add_argument("--task", default="arithmetic")
-        s.add_argument("--task-knobs", type=_knobs, default=_knobs("digits=2,operands=2,operators=+-"),
+        s.add_argument("--task-knobs", type=_knobs, default=_knobs("digits=1,operands=2,operators=+"),
                        help="difficulty knobs, e.g. digits=3,operands=2")
-        s.add_argument("--steps", type=int, default=30)
-        s.add_argument("--prompts-per-step", type=int, default=8)
+        s.add_argument("--steps", type=int, default=60)
+        s.add_argument("--prompts-per-step", type=int, default=16)
         s.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO's G)")
-        s.add_argument("--lr", type=float, default=2e-5)
-        s.add_argument("--max-new-tokens", type=int, default=24)
+        s.add_argument("--lr", type=float, default=2e-4)
+        s.add_argument("--max-new-tokens", type=int, default=12)
         s.add_argument("--loss-type", default="dapo", choices=LOSS_TYPES)
         s.add_argument("--micro-batch-size", type=int, default=0)
         s.add_argument("--seed", type=int, default=0)
@@ -119,5 +119,5 @@ def main(argv: list[str] | None = None) -> int:
         print("\njetrl: interrupted; the last finished step is saved: run the same command with --resume to continue.", file=sys.stderr)
         return 130
 
-# %% ../nbs/09_cli.ipynb #3d679749
+# %% ../nbs/09_cli.ipynb #34fcadeb
 if __name__ == "__main__": sys.exit(main())

@@ -8,7 +8,7 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 __all__ = ['TrainConfig', 'Run', 'start_run', 'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples',
            'save_step', 'read_metrics']
 
-# %% ../nbs/08_train.ipynb #5ba42b2c
+# %% ../nbs/08_train.ipynb #f66a0ff3
 import json, math, os, random, signal, shutil, sys, time, warnings
 from dataclasses import dataclass, asdict, field, replace, fields
 from pathlib import Path
@@ -20,20 +20,20 @@ from .policy import Policy, get_strategy, load_model_and_tokenizer, save_checkpo
 from .rollout import RolloutEngine, SamplingParams, Rollout
 from .tasks import get_task
 
-# %% ../nbs/08_train.ipynb #bbb97218
+# %% ../nbs/08_train.ipynb #059e004a
 @dataclass(frozen=True)
 class TrainConfig:
     "One GRPO run. Logged in full as the first line of metrics.jsonl."
     model: str = "jetrl-tiny"                  # a named model, or a local folder
     task: str = "arithmetic"
-    task_knobs: tuple = (("digits", 2), ("operands", 2), ("operators", "+-"))
+    task_knobs: tuple = (("digits", 1), ("operands", 2), ("operators", "+"))
     strategy: str = "jet"
-    steps: int = 30
-    prompts_per_step: int = 8
+    steps: int = 60
+    prompts_per_step: int = 16
     grpo: GRPOConfig = GRPOConfig(num_generations=8)
-    max_new_tokens: int = 24
+    max_new_tokens: int = 12
     temperature: float = 1.0
-    lr: float = 2e-5
+    lr: float = 2e-4
     lr_schedule: str = "constant"              # 'constant' or 'cosine' (after warm-up)
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -65,7 +65,7 @@ class TrainConfig:
         d = dict(d); d["grpo"] = GRPOConfig(**d["grpo"]); d["task_knobs"] = tuple(sorted(d["task_knobs"].items()))
         return cls(**d)
 
-# %% ../nbs/08_train.ipynb #c3e03ffa
+# %% ../nbs/08_train.ipynb #34949edc
 @dataclass
 class Run:
     "Everything a training run holds between steps."
@@ -151,7 +151,7 @@ def _versions() -> dict:
     import jetrl, transformers
     return {"jetrl": jetrl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
-# %% ../nbs/08_train.ipynb #818f1fcf
+# %% ../nbs/08_train.ipynb #4a621641
 def _columns(rows: list[dict], n: int) -> dict[str, list]:
     "Task columns (answer, numbers, ...) repeated for the n completions of each prompt."
     keys = [k for k in rows[0] if k != "prompt"]
@@ -196,7 +196,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     run.scheduler.step()
     return stats | {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": run.optimizer.param_groups[0]["lr"]}
 
-# %% ../nbs/08_train.ipynb #d6504e22
+# %% ../nbs/08_train.ipynb #336f5c15
 def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False,
           callbacks: list[Callable[[dict], None]] = (), policy: Policy | None = None, progress: bool = False) -> Run:
     """Run GRPO for `config.steps` steps. Each step's metrics go to `out_dir/metrics.jsonl` and to every callback.
@@ -224,7 +224,7 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
         if any(cb(metrics) is False for cb in callbacks): break
     return run
 
-# %% ../nbs/08_train.ipynb #3ecdceb6
+# %% ../nbs/08_train.ipynb #e4d947cb
 def step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, tokenizer=None) -> dict:
     "One step's metrics, with the names users of TRL / verl know."
     mask = rollout.completion_mask
