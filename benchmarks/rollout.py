@@ -4,8 +4,14 @@
     python benchmarks/rollout.py --model smollm2-135m --batch 16 --prompt-len 64 --new-tokens 64
     python benchmarks/rollout.py --device cuda --model qwen2-0.5b --batch 64 --prompt-len 128 --new-tokens 256
 
-Prompts are random token ids of one length; both sides sample (temperature 1, no truncation) and ignore EOS,
-so both generate exactly batch x new-tokens tokens. Prints one JSON object per configuration.
+Workloads (--workload):
+  fixed: prompts are random token ids of one length; both sides sample (temperature 1, no truncation) and
+         ignore EOS, so both generate exactly batch x new-tokens tokens: the raw decode speed.
+  rl:    GRPO's shape on jetrl-tiny: --batch task prompts (the easy level) x --samples completions each,
+         EOS on; throughput counts the tokens each side really generated (pads excluded). The engine prefills
+         each prompt once and drops finished rows; transformers expands the prompts and decodes every row
+         until the last one ends.
+Prints one JSON object per configuration.
 """
 import argparse, json, platform, statistics, sys, time
 import torch
@@ -37,14 +43,15 @@ def build(name: str, dtype):
     return model, tokenizer
 
 
-def tokens_per_s(fn, tokens: int, reps: int, device) -> float:
-    times = []
+def tokens_per_s(fn, reps: int, device) -> tuple[float, int]:
+    "Median over `reps` of (tokens fn() generated) / seconds; and the tokens of the last call."
+    rates = []
     for _ in range(reps):
         if device.type == "cuda": torch.cuda.synchronize()
-        t0 = time.perf_counter(); fn()
+        t0 = time.perf_counter(); tokens = fn()
         if device.type == "cuda": torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return tokens / statistics.median(times)
+        rates.append(tokens / (time.perf_counter() - t0))
+    return statistics.median(rates), tokens
 
 
 def main(argv=None):
@@ -56,6 +63,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--workload", default="fixed", choices=["fixed", "rl"])
+    p.add_argument("--samples", type=int, default=8, help="completions per prompt (rl workload)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -67,23 +76,39 @@ def main(argv=None):
     engine = RolloutEngine(policy, chat_template=False)
     vocab = model.config.vocab_size
     torch.manual_seed(1)
-    prompt_ids = torch.randint(10, vocab, (args.batch, args.prompt_len))
-    params = SamplingParams(max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
-    tokens = args.batch * args.new_tokens
-
-    def run_engine(): return engine.generate(prompt_ids.tolist(), params)
     hf_model = policy.rollout_model
-    hf_inputs = dict(input_ids=prompt_ids.to(device), attention_mask=torch.ones_like(prompt_ids).to(device))
+    if args.workload == "fixed":
+        prompts = torch.randint(10, vocab, (args.batch, args.prompt_len)).tolist()
+        params = SamplingParams(max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
+        hf_inputs = tokenizer.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left")
+        hf_extra = dict(min_new_tokens=args.new_tokens)
+    else:
+        from jetrl.tiny import level_rows
+        prompts = [r["prompt"] for r in level_rows("easy", args.batch)]
+        params = SamplingParams(n=args.samples, max_new_tokens=args.new_tokens, seed=0)
+        hf_inputs = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+        hf_extra = dict(num_return_sequences=args.samples)
+    hf_inputs = {k: v.to(device) for k, v in hf_inputs.items()}
+    eos = set(engine.eos_ids)
+
+    def run_engine():
+        return int(engine.generate(prompts, params).completion_mask.sum())
 
     @torch.no_grad()
     def run_hf():
-        return hf_model.generate(**hf_inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=engine.pad_id)
+        out = hf_model.generate(**hf_inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
+                                pad_token_id=engine.pad_id, **hf_extra)[:, hf_inputs["input_ids"].shape[1]:]
+        generated = 0
+        for row in out.tolist():                               # tokens up to and including the first EOS
+            ends = [i for i, t in enumerate(row) if t in eos]
+            generated += (ends[0] + 1) if ends and args.workload == "rl" else len(row)
+        return generated
     run_engine(); run_hf()                                    # warm-up
-    engine_tps = tokens_per_s(run_engine, tokens, args.reps, device)
-    hf_tps = tokens_per_s(run_hf, tokens, args.reps, device)
-    row = dict(model=args.model, strategy=args.strategy, device=str(device), dtype=str(dtype).removeprefix("torch."),
-               batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+    engine_tps, tokens = tokens_per_s(run_engine, args.reps, device)
+    hf_tps, _ = tokens_per_s(run_hf, args.reps, device)
+    row = dict(model=args.model, strategy=args.strategy, workload=args.workload, device=str(device), dtype=str(dtype).removeprefix("torch."),
+               batch=args.batch, samples=args.samples if args.workload == "rl" else 1, prompt_len=args.prompt_len,
+               new_tokens=args.new_tokens, engine_tokens=tokens,
                engine_tokens_per_s=round(engine_tps, 1), hf_tokens_per_s=round(hf_tps, 1),
                speedup_vs_hf=round(engine_tps / hf_tps, 2), threads=torch.get_num_threads(), torch=torch.__version__,
                command="python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv))
