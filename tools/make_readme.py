@@ -15,6 +15,7 @@ def render(notebook: Path) -> str:
     for cell in json.loads(notebook.read_text())["cells"]:
         source = "".join(cell["source"]).strip()
         if not source or source.startswith("#| hide"): continue
+        if cell["cell_type"] == "markdown": source = source.replace("](images/", "](nbs/images/")   # paths from the root
         parts.append(source if cell["cell_type"] == "markdown" else f"```python\n{source}\n```")
     return ("\n\n".join(parts)
             + "\n\n<!-- Generated from nbs/index.ipynb by tools/make_readme.py: edit the notebook, not this file. -->\n")
