@@ -7,11 +7,11 @@ Docs: https://jetrl.github.io/jetrl/grpo.html.md"""
 # %% auto #0
 __all__ = ['LOSS_TYPES', 'REWARD_SCALINGS', 'GRPOConfig', 'group_advantages', 'rollout_correction', 'grpo_loss']
 
-# %% ../nbs/06_grpo.ipynb #caad3057
+# %% ../nbs/06_grpo.ipynb #5bdf1aee
 from dataclasses import dataclass, asdict
 import torch
 
-# %% ../nbs/06_grpo.ipynb #d045290c
+# %% ../nbs/06_grpo.ipynb #57ba6205
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 REWARD_SCALINGS = ("group", "batch", "none")
 
@@ -48,7 +48,7 @@ class GRPOConfig:
     @property
     def clip_high(self) -> float: return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
-# %% ../nbs/06_grpo.ipynb #9cba0b38
+# %% ../nbs/06_grpo.ipynb #58b34c1c
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale_rewards: str = "group", eps: float = 1e-4):
     """Reward minus its group's mean, divided by the group's std ('group'), the batch's std ('batch') or not
     at all ('none'). rewards, group: (B,). Returns (advantages (B,), stats)."""
@@ -59,7 +59,8 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale_rewards: 
     centered = rewards - mean[index]
     var = torch.zeros(len(groups)).index_add_(0, index, centered**2) / (count - 1).clamp(min=1)
     group_std = var.sqrt()
-    if scale_rewards == "group": advantages = centered / (group_std[index] + eps)
+    if scale_rewards == "group":   # a group whose rewards are all equal carries no signal: advantage 0, never 0/0
+        advantages = torch.where(group_std[index] > 0, centered / (group_std[index] + eps), torch.zeros_like(centered))
     elif scale_rewards == "batch": advantages = centered / (rewards.std() + eps if len(rewards) > 1 else 1.0)
     elif scale_rewards == "none": advantages = centered
     else: raise ValueError(f"scale_rewards must be one of {REWARD_SCALINGS}, got {scale_rewards!r}.")
@@ -67,7 +68,7 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale_rewards: 
              "frac_zero_std_groups": float((group_std == 0).float().mean())}
     return advantages, stats
 
-# %% ../nbs/06_grpo.ipynb #44f66393
+# %% ../nbs/06_grpo.ipynb #0f65f36c
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 

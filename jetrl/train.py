@@ -8,7 +8,7 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 __all__ = ['TrainConfig', 'Run', 'start_run', 'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples',
            'save_step', 'read_metrics']
 
-# %% ../nbs/08_train.ipynb #f66a0ff3
+# %% ../nbs/08_train.ipynb #fea613ea
 import json, math, os, random, signal, shutil, sys, time, warnings
 from dataclasses import dataclass, asdict, field, replace, fields
 from pathlib import Path
@@ -20,7 +20,7 @@ from .policy import Policy, get_strategy, load_model_and_tokenizer, save_checkpo
 from .rollout import RolloutEngine, SamplingParams, Rollout
 from .tasks import get_task
 
-# %% ../nbs/08_train.ipynb #059e004a
+# %% ../nbs/08_train.ipynb #9dd68fc0
 @dataclass(frozen=True)
 class TrainConfig:
     "One GRPO run. Logged in full as the first line of metrics.jsonl."
@@ -65,7 +65,7 @@ class TrainConfig:
         d = dict(d); d["grpo"] = GRPOConfig(**d["grpo"]); d["task_knobs"] = tuple(sorted(d["task_knobs"].items()))
         return cls(**d)
 
-# %% ../nbs/08_train.ipynb #34949edc
+# %% ../nbs/08_train.ipynb #3b38b7f8
 @dataclass
 class Run:
     "Everything a training run holds between steps."
@@ -79,6 +79,7 @@ class Run:
     out_dir: Path | None
     start_step: int = 0
     history: list = field(default_factory=list)
+    ref_model: torch.nn.Module | None = None     # frozen initial policy, kept only when grpo.beta > 0
 
     def batch(self, step: int) -> list[dict]:
         "This step's prompts: a task sample seeded by (run seed, step), the same for every strategy."
@@ -129,6 +130,9 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     run = Run(config, policy, RolloutEngine(policy), optimizer, scheduler, task, task.rewards(config.format_weight), out_dir, start_step)
+    if config.grpo.beta > 0:                                             # the KL reference: the policy before any update
+        import copy
+        run.ref_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         if start_step > 0:
@@ -151,7 +155,7 @@ def _versions() -> dict:
     import jetrl, transformers
     return {"jetrl": jetrl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
-# %% ../nbs/08_train.ipynb #4a621641
+# %% ../nbs/08_train.ipynb #d43a40bc
 def _columns(rows: list[dict], n: int) -> dict[str, list]:
     "Task columns (answer, numbers, ...) repeated for the n completions of each prompt."
     keys = [k for k in rows[0] if k != "prompt"]
@@ -178,15 +182,19 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     "GRPO loss, backward (accumulated over micro-batches), clip, optimizer step(s). Returns loss statistics."
     config, policy, P = run.config, run.policy, rollout.prompt_ids.shape[1]
     truncated = torch.tensor([r == "length" for r in rollout.finish_reasons])
-    stats, logp_last = {}, None
+    stats = {}
     for iteration in range(config.grpo.num_iterations):
         run.optimizer.zero_grad(set_to_none=True)
         total_tokens = float(rollout.completion_mask.sum())
         loss_sum, logps = 0.0, []
         for rows in _micro_batches(len(rollout), config.micro_batch_size):
-            logp = token_log_probs(policy.model, rollout.input_ids[rows], rollout.attention_mask[rows], config.temperature)[:, P - 1:]
+            ids, mask = rollout.input_ids[rows], rollout.attention_mask[rows]
+            logp = token_log_probs(policy.model, ids, mask, config.temperature)[:, P - 1:]
+            ref_logp = None
+            if run.ref_model is not None:
+                with torch.no_grad(): ref_logp = token_log_probs(run.ref_model, ids, mask, config.temperature)[:, P - 1:]
             loss, stats = grpo_loss(logp, old_logp[rows], rollout.logprobs[rows], advantages[rows], rollout.completion_mask[rows],
-                                    config.grpo, truncated=truncated[rows], loss_normalizer=total_tokens)
+                                    config.grpo, ref_logp=ref_logp, truncated=truncated[rows], loss_normalizer=total_tokens)
             if config.grpo.loss_type != "dapo": loss = loss * (rows.stop - rows.start) / len(rollout)
             loss.backward()
             loss_sum += loss.item(); logps.append(logp.detach())
@@ -196,7 +204,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     run.scheduler.step()
     return stats | {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": run.optimizer.param_groups[0]["lr"]}
 
-# %% ../nbs/08_train.ipynb #336f5c15
+# %% ../nbs/08_train.ipynb #fba71009
 def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False,
           callbacks: list[Callable[[dict], None]] = (), policy: Policy | None = None, progress: bool = False) -> Run:
     """Run GRPO for `config.steps` steps. Each step's metrics go to `out_dir/metrics.jsonl` and to every callback.
@@ -224,7 +232,7 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
         if any(cb(metrics) is False for cb in callbacks): break
     return run
 
-# %% ../nbs/08_train.ipynb #e4d947cb
+# %% ../nbs/08_train.ipynb #b413f9dc
 def step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, tokenizer=None) -> dict:
     "One step's metrics, with the names users of TRL / verl know."
     mask = rollout.completion_mask
