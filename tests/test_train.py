@@ -93,3 +93,14 @@ def test_callback_stops_cleanly_and_sees_every_step(model_dir, tmp_path):
     run = train(config, tmp_path / "cb", callbacks=[lambda m: seen.append(m["step"]) or len(seen) < 2],
                 policy=Policy(model, tokenizer, "bf16"))
     assert seen == [0, 1] and len(run.history) == 2 and len(read_metrics(tmp_path / "cb")[1]) == 2
+
+
+def test_custom_precision_spec(model_dir):
+    "A user's own PrecisionSpec trains through the same loop; an unknown preset name without a policy is refused."
+    from jetrl.policy import PrecisionSpec, load_model_and_tokenizer
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    spec = PrecisionSpec("rowwise-jet", train_recipe="rowwise", rollout_recipe="rowwise")
+    config = TrainConfig(model=model_dir, strategy="rowwise-jet", steps=1, prompts_per_step=2, grpo=GRPOConfig(num_generations=4), max_new_tokens=6)
+    run = train(config, policy=Policy(model, tokenizer, spec))
+    assert run.history[0]["strategy"] == "rowwise-jet"
+    with pytest.raises(ValueError, match="Unknown strategy"): train(config)
