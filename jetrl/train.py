@@ -8,7 +8,7 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 __all__ = ['TrainConfig', 'Run', 'start_run', 'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples',
            'save_step', 'read_metrics']
 
-# %% ../nbs/08_train.ipynb #8aad9338
+# %% ../nbs/08_train.ipynb #9c0786d1
 import json, math, os, random, signal, shutil, sys, time, warnings
 from dataclasses import dataclass, asdict, field, replace, fields
 from pathlib import Path
@@ -17,10 +17,10 @@ import torch
 from .grpo import GRPOConfig, group_advantages, grpo_loss
 from .mismatch import mismatch_metrics, mismatch_by_position, kl_to_prev_policy, ratio_stats
 from .policy import Policy, get_strategy, load_model_and_tokenizer, save_checkpoint, load_checkpoint, token_log_probs
-from .rollout import RolloutEngine, SamplingParams, Rollout
+from .rollout import RolloutEngine, SamplingParams, Rollout, recompute_log_probs, micro_batches
 from .tasks import get_task
 
-# %% ../nbs/08_train.ipynb #b5647f45
+# %% ../nbs/08_train.ipynb #7460d41e
 @dataclass(frozen=True)
 class TrainConfig:
     "One GRPO run. Logged in full as the first line of metrics.jsonl."
@@ -64,7 +64,7 @@ class TrainConfig:
         d = dict(d); d["grpo"] = GRPOConfig(**d["grpo"]); d["task_knobs"] = tuple(sorted(d["task_knobs"].items()))
         return cls(**d)
 
-# %% ../nbs/08_train.ipynb #fe1adb47
+# %% ../nbs/08_train.ipynb #2b3f3624
 @dataclass
 class Run:
     "Everything a training run holds between steps."
@@ -154,28 +154,17 @@ def _versions() -> dict:
     import jetrl, transformers
     return {"jetrl": jetrl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
-# %% ../nbs/08_train.ipynb #aac1e20a
+# %% ../nbs/08_train.ipynb #0de03afd
 def _columns(rows: list[dict], n: int) -> dict[str, list]:
     "Task columns (answer, numbers, ...) repeated for the n completions of each prompt."
     keys = [k for k in rows[0] if k != "prompt"]
     return {k: [row[k] for row in rows for _ in range(n)] for k in keys}
 
-def _micro_batches(rows: int, size: int) -> list[slice]:
-    size = size or rows
-    return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
-
 def trainer_log_probs(policy: Policy, rollout: Rollout, temperature: float, micro_batch_size: int = 0,
                       with_entropy: bool = False):
     "The training side's log-probs of the completion tokens, no grad: (B, C) (and the entropy)."
-    P = rollout.prompt_ids.shape[1]
-    outs = []
     with torch.no_grad():
-        for rows in _micro_batches(len(rollout), micro_batch_size):
-            out = token_log_probs(policy.model, rollout.input_ids[rows], rollout.attention_mask[rows], temperature, with_entropy)
-            outs.append(out if with_entropy else (out,))
-    logp = torch.cat([o[0] for o in outs])[:, P - 1:] * rollout.completion_mask
-    if not with_entropy: return logp
-    return logp, torch.cat([o[1] for o in outs])[:, P - 1:]
+        return recompute_log_probs(policy.model, rollout, temperature, micro_batch_size, with_entropy)
 
 def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: torch.Tensor) -> dict:
     "GRPO loss, backward (accumulated over micro-batches), clip, optimizer step(s). Returns loss statistics."
@@ -186,7 +175,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
         run.optimizer.zero_grad(set_to_none=True)
         total_tokens = float(rollout.completion_mask.sum())
         loss_sum, logps = 0.0, []
-        for rows in _micro_batches(len(rollout), config.micro_batch_size):
+        for rows in micro_batches(len(rollout), config.micro_batch_size):
             ids, mask = rollout.input_ids[rows], rollout.attention_mask[rows]
             logp = token_log_probs(policy.model, ids, mask, config.temperature)[:, P - 1:]
             ref_logp = None
@@ -203,7 +192,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     run.scheduler.step()
     return stats | {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": run.optimizer.param_groups[0]["lr"]}
 
-# %% ../nbs/08_train.ipynb #b6a0063c
+# %% ../nbs/08_train.ipynb #c5847e3f
 def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False,
           callbacks: list[Callable[[dict], None]] = (), policy: Policy | None = None, progress: bool = False) -> Run:
     """Run GRPO for `config.steps` steps. Each step's metrics go to `out_dir/metrics.jsonl` and to every callback.
@@ -231,7 +220,7 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
         if any(cb(metrics) is False for cb in callbacks): break
     return run
 
-# %% ../nbs/08_train.ipynb #6712a406
+# %% ../nbs/08_train.ipynb #a41fb317
 def step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, tokenizer=None) -> dict:
     "One step's metrics, with the names users of TRL / verl know."
     mask = rollout.completion_mask
