@@ -13,7 +13,7 @@ Workloads (--workload):
          until the last one ends.
 Prints one JSON object per configuration.
 """
-import argparse, json, platform, statistics, sys, time
+import argparse, json, statistics, sys, time
 import torch
 
 from jetrl.policy import Policy, load_model_and_tokenizer

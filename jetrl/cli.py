@@ -7,15 +7,14 @@ Docs: https://jetrl.github.io/jetrl/cli.html.md"""
 # %% auto #0
 __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_from_args', 'main']
 
-# %% ../nbs/09_cli.ipynb #0bb23e58
-import argparse, json, math, sys
-from dataclasses import replace
+# %% ../nbs/09_cli.ipynb #10490f7a
+import argparse, sys
 from pathlib import Path
 from .grpo import GRPOConfig, LOSS_TYPES
 from .policy import STRATEGIES
 from .train import TrainConfig, train, read_metrics
 
-# %% ../nbs/09_cli.ipynb #f6de0bed
+# %% ../nbs/09_cli.ipynb #185b65bc
 REPORT_PANELS = [("reward", "reward"), ("accuracy", "accuracy"), ("mismatch/kl_k3", "mismatch KL (k3)"),
                  ("mismatch/logp_abs_diff_mean", "mean |log p_train - log p_rollout|"),
                  ("drift/kl_to_prev_policy", "drift: KL to previous policy"), ("time/step", "seconds per step")]
@@ -57,7 +56,7 @@ def write_report(out_dir: "str | Path", strategies: list[str]) -> Path:
     (out_dir / "report.html").write_text(html)
     return out_dir / "report.html"
 
-# %% ../nbs/09_cli.ipynb #a1f00fc9
+# %% ../nbs/09_cli.ipynb #ec7c703d
 def _knobs(text: str) -> tuple:
     "'digits=2,operands=3,operators=+-' -> (('digits', 2), ...), numbers as ints."
     knobs = []
@@ -119,5 +118,5 @@ def main(argv: list[str] | None = None) -> int:
         print("\njetrl: interrupted; the last finished step is saved: run the same command with --resume to continue.", file=sys.stderr)
         return 130
 
-# %% ../nbs/09_cli.ipynb #34fcadeb
+# %% ../nbs/09_cli.ipynb #07f4430f
 if __name__ == "__main__": sys.exit(main())

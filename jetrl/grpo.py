@@ -7,11 +7,11 @@ Docs: https://jetrl.github.io/jetrl/grpo.html.md"""
 # %% auto #0
 __all__ = ['LOSS_TYPES', 'REWARD_SCALINGS', 'GRPOConfig', 'group_advantages', 'rollout_correction', 'grpo_loss']
 
-# %% ../nbs/06_grpo.ipynb #5bdf1aee
-from dataclasses import dataclass, asdict
+# %% ../nbs/06_grpo.ipynb #ea128e88
+from dataclasses import dataclass
 import torch
 
-# %% ../nbs/06_grpo.ipynb #57ba6205
+# %% ../nbs/06_grpo.ipynb #afe5f506
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 REWARD_SCALINGS = ("group", "batch", "none")
 
@@ -48,7 +48,7 @@ class GRPOConfig:
     @property
     def clip_high(self) -> float: return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
-# %% ../nbs/06_grpo.ipynb #58b34c1c
+# %% ../nbs/06_grpo.ipynb #46d93ead
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale_rewards: str = "group", eps: float = 1e-4):
     """Reward minus its group's mean, divided by the group's std ('group'), the batch's std ('batch') or not
     at all ('none'). rewards, group: (B,). Returns (advantages (B,), stats)."""
@@ -68,7 +68,7 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale_rewards: 
              "frac_zero_std_groups": float((group_std == 0).float().mean())}
     return advantages, stats
 
-# %% ../nbs/06_grpo.ipynb #0f65f36c
+# %% ../nbs/06_grpo.ipynb #efcf51f4
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 

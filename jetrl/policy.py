@@ -9,17 +9,16 @@ __all__ = ['HP_DTYPES', 'STRATEGIES', 'CHECKPOINT_VERSION', 'SUPPORTED_FAMILIES'
            'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'token_log_probs', 'train_log_probs',
            'rollout_log_probs', 'save_checkpoint', 'load_checkpoint', 'load_model_and_tokenizer', 'load_policy']
 
-# %% ../nbs/04_policy.ipynb #4758aa18
+# %% ../nbs/04_policy.ipynb #cfd586c0
 import copy, json, os, time, warnings
-from dataclasses import dataclass, asdict, field, replace
+from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from .linear import (FP8Recipe, FP8Linear, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8,
-                          fp8_modules, set_recipe, quantize_weight)
+from .linear import (FP8Recipe, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8, fp8_modules,
+                          quantize_weight)
 
-# %% ../nbs/04_policy.ipynb #bba3c210
+# %% ../nbs/04_policy.ipynb #b11ee754
 HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ def get_strategy(strategy: "str | PrecisionSpec") -> PrecisionSpec:
         raise ValueError(f"Unknown strategy {strategy!r}: use one of {sorted(STRATEGIES)} or build a PrecisionSpec.")
     return STRATEGIES[strategy]
 
-# %% ../nbs/04_policy.ipynb #8b85463d
+# %% ../nbs/04_policy.ipynb #ad20aee6
 def _keep_filter(spec: PrecisionSpec):
     return lambda module, fqn: fqn.split(".")[-1] not in spec.keep_high_precision
 
@@ -90,7 +89,7 @@ def build_rollout_copy(model: nn.Module, recipe: FP8Recipe) -> nn.Module:
         setattr(rollout.get_submodule(parent), child, engine_linear)
     return rollout.eval().requires_grad_(False)
 
-# %% ../nbs/04_policy.ipynb #c9d5d294
+# %% ../nbs/04_policy.ipynb #bd7dcb8e
 @dataclass
 class SyncReport:
     "What a weight sync did: how many weights it quantized or copied, the bytes it wrote, and its time."
@@ -123,7 +122,7 @@ class Policy:
                     if m.recipe.is_fp8("fprop"):
                         nbytes += m.sync_fp8_weight().nbytes; quantized += 1
             else:
-                train_modules, rollout_modules = dict(self.model.named_modules()), dict(self.rollout_model.named_modules())
+                rollout_modules = dict(self.rollout_model.named_modules())
                 for fqn, m in fp8_modules(self.model).items():
                     w_fp8 = quantize_weight(m.weight, self.spec.rollout_recipe)
                     rollout_modules[fqn].load_fp8_weight(w_fp8, m.bias)
@@ -143,7 +142,7 @@ class Policy:
                 f"rollout={self.spec.rollout_recipe.name}{'' if self.spec.shared_weights else ' (separate FP8 copy)'}, "
                 f"hp_dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/04_policy.ipynb #ba3b8733
+# %% ../nbs/04_policy.ipynb #652d95d8
 def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     temperature: float = 1.0, with_entropy: bool = False):
     """log p(token t | tokens < t) for t = 1..T-1: (B, T) ids -> (B, T-1) fp32 log-probs (logits / temperature).
@@ -165,7 +164,7 @@ def rollout_log_probs(policy: Policy, input_ids, attention_mask=None, temperatur
     "Log-probs computed by the rollout side (no grad; FP8 weights as of the last sync)."
     return token_log_probs(policy.rollout_model, input_ids, attention_mask, temperature)
 
-# %% ../nbs/04_policy.ipynb #8c58c69c
+# %% ../nbs/04_policy.ipynb #e528a675
 from safetensors.torch import save_file, load_file, save_model, load_model
 
 CHECKPOINT_VERSION = 1
@@ -221,7 +220,7 @@ def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
     policy.sync_weights()
     return meta
 
-# %% ../nbs/04_policy.ipynb #cebf2756
+# %% ../nbs/04_policy.ipynb #9fa7c26e
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
 def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype = torch.float32):

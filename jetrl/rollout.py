@@ -8,14 +8,14 @@ Docs: https://jetrl.github.io/jetrl/rollout.html.md"""
 __all__ = ['SamplingParams', 'Rollout', 'sample_next', 'RolloutEngine', 'micro_batches', 'recompute_log_probs',
            'strategy_mismatch_table']
 
-# %% ../nbs/05_rollout.ipynb #618f38ff
-import math, time
+# %% ../nbs/05_rollout.ipynb #deb1bc09
+import time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #c0e3703c
+# %% ../nbs/05_rollout.ipynb #1b242ef5
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -40,7 +40,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #2e0f3724
+# %% ../nbs/05_rollout.ipynb #0abd4b3f
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -66,7 +66,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #0b5c4d7e
+# %% ../nbs/05_rollout.ipynb #43dbbbf4
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -85,7 +85,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #4a6495ab
+# %% ../nbs/05_rollout.ipynb #a3a7b77e
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -111,7 +111,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #e012eca3
+# %% ../nbs/05_rollout.ipynb #ce6f314c
 class RolloutEngine:
     "jetrl's embedded rollout engine: batched generation over the rollout side of a Policy (or any causal LM)."
 
@@ -223,7 +223,7 @@ class RolloutEngine:
         tail = self.tokenizer.decode(ids[-32:].tolist(), skip_special_tokens=True)
         return any(s in tail for s in stops)
 
-# %% ../nbs/05_rollout.ipynb #c63a37ba
+# %% ../nbs/05_rollout.ipynb #d81cac35
 def micro_batches(rows: int, size: int) -> list[slice]:
     "Row slices of at most `size` rows (0: one slice of all rows)."
     size = size or rows
@@ -242,7 +242,7 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
     if not with_entropy: return logp
     return logp, torch.cat([p[1] for p in parts])[:, P - 1:]
 
-# %% ../nbs/05_rollout.ipynb #d25c966e
+# %% ../nbs/05_rollout.ipynb #45632e69
 def strategy_mismatch_table(name_or_path: str, prompts: list[str], params: SamplingParams,
                             strategies=("bf16", "fp16", "jet", "fp8-rollout")) -> list[dict]:
     "Per strategy: mean and max |log p_train - log p_rollout| on the same completions (forward vs forward, engine vs trainer)."

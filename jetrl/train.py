@@ -8,9 +8,9 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 __all__ = ['TrainConfig', 'Run', 'start_run', 'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples',
            'save_step', 'read_metrics']
 
-# %% ../nbs/08_train.ipynb #9c0786d1
-import json, math, os, random, signal, shutil, sys, time, warnings
-from dataclasses import dataclass, asdict, field, replace, fields
+# %% ../nbs/08_train.ipynb #05d3a653
+import copy, json, math, random, time
+from dataclasses import dataclass, asdict, field, replace
 from pathlib import Path
 from typing import Callable
 import torch
@@ -20,7 +20,7 @@ from .policy import Policy, get_strategy, load_model_and_tokenizer, save_checkpo
 from .rollout import RolloutEngine, SamplingParams, Rollout, recompute_log_probs, micro_batches
 from .tasks import get_task
 
-# %% ../nbs/08_train.ipynb #7460d41e
+# %% ../nbs/08_train.ipynb #b1d46406
 @dataclass(frozen=True)
 class TrainConfig:
     "One GRPO run. Logged in full as the first line of metrics.jsonl."
@@ -64,7 +64,7 @@ class TrainConfig:
         d = dict(d); d["grpo"] = GRPOConfig(**d["grpo"]); d["task_knobs"] = tuple(sorted(d["task_knobs"].items()))
         return cls(**d)
 
-# %% ../nbs/08_train.ipynb #2b3f3624
+# %% ../nbs/08_train.ipynb #11bf0f4c
 @dataclass
 class Run:
     "Everything a training run holds between steps."
@@ -130,7 +130,6 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     run = Run(config, policy, RolloutEngine(policy), optimizer, scheduler, task, task.rewards(config.format_weight), out_dir, start_step)
     if config.grpo.beta > 0:                                             # the KL reference: the policy before any update
-        import copy
         run.ref_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +153,7 @@ def _versions() -> dict:
     import jetrl, transformers
     return {"jetrl": jetrl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
-# %% ../nbs/08_train.ipynb #0de03afd
+# %% ../nbs/08_train.ipynb #76ec6154
 def _columns(rows: list[dict], n: int) -> dict[str, list]:
     "Task columns (answer, numbers, ...) repeated for the n completions of each prompt."
     keys = [k for k in rows[0] if k != "prompt"]
@@ -192,7 +191,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     run.scheduler.step()
     return stats | {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": run.optimizer.param_groups[0]["lr"]}
 
-# %% ../nbs/08_train.ipynb #c5847e3f
+# %% ../nbs/08_train.ipynb #18b0f78c
 def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False,
           callbacks: list[Callable[[dict], None]] = (), policy: Policy | None = None, progress: bool = False) -> Run:
     """Run GRPO for `config.steps` steps. Each step's metrics go to `out_dir/metrics.jsonl` and to every callback.
@@ -220,7 +219,7 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
         if any(cb(metrics) is False for cb in callbacks): break
     return run
 
-# %% ../nbs/08_train.ipynb #a41fb317
+# %% ../nbs/08_train.ipynb #cc36b1a2
 def step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, tokenizer=None) -> dict:
     "One step's metrics, with the names users of TRL / verl know."
     mask = rollout.completion_mask

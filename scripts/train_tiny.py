@@ -7,7 +7,7 @@ The shipped weights in jetrl/assets/tiny/ were produced, on a 2-core CPU, by:
 Steps: build the byte-level BPE tokenizer from task text, initialise the tiny Qwen2, supervised fine-tuning on
 the training mix, greedy evaluation on each level, save model + tokenizer + training.json.
 """
-import argparse, json, platform, shlex, sys, time
+import argparse, platform, shlex, sys, time
 from pathlib import Path
 
 import torch

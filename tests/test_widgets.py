@@ -9,7 +9,7 @@ from jetrl.policy import load_model_and_tokenizer
 from jetrl.rollout import RolloutEngine, SamplingParams
 from jetrl.tasks import ArithmeticTask
 from jetrl.train import TrainConfig, train, read_metrics
-from jetrl.widgets import (GAP_COLORSCALE, LiveDashboard, MismatchExplorer, SIDES, TokenViewer, dashboard_figure, explore_mismatch,
+from jetrl.widgets import (LiveDashboard, MismatchExplorer, SIDES, TokenViewer, dashboard_figure, explore_mismatch,
                            explorer_figure, gap_color, strategy_color, token_html, token_table, update_dashboard)
 
 STRATEGIES = ["bf16", "fp8-rollout", "jet"]
