@@ -7,14 +7,14 @@ Docs: https://jetrl.github.io/jetrl/cli.html.md"""
 # %% auto #0
 __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_from_args', 'main']
 
-# %% ../nbs/09_cli.ipynb #10490f7a
+# %% ../nbs/09_cli.ipynb #0fc1684d
 import argparse, sys
 from pathlib import Path
 from .grpo import GRPOConfig, LOSS_TYPES
 from .policy import STRATEGIES
 from .train import TrainConfig, train, read_metrics
 
-# %% ../nbs/09_cli.ipynb #185b65bc
+# %% ../nbs/09_cli.ipynb #9493b3b5
 REPORT_PANELS = [("reward", "reward"), ("accuracy", "accuracy"), ("mismatch/kl_k3", "mismatch KL (k3)"),
                  ("mismatch/logp_abs_diff_mean", "mean |log p_train - log p_rollout|"),
                  ("drift/kl_to_prev_policy", "drift: KL to previous policy"), ("time/step", "seconds per step")]
@@ -56,7 +56,7 @@ def write_report(out_dir: "str | Path", strategies: list[str]) -> Path:
     (out_dir / "report.html").write_text(html)
     return out_dir / "report.html"
 
-# %% ../nbs/09_cli.ipynb #ec7c703d
+# %% ../nbs/09_cli.ipynb #6d905946
 def _knobs(text: str) -> tuple:
     "'digits=2,operands=3,operators=+-' -> (('digits', 2), ...), numbers as ints."
     knobs = []
@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--loss-type", default="dapo", choices=LOSS_TYPES)
         s.add_argument("--micro-batch-size", type=int, default=0)
         s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--save-every", type=int, default=1,
+                       help="checkpoint every N steps (1: a kill loses only the step in flight; each checkpoint rewrites weights and optimizer state)")
         s.add_argument("--out", required=True, help="output folder")
         s.add_argument("--resume", action="store_true", help="continue the run in --out after its last checkpoint")
     return p
@@ -93,7 +95,7 @@ def config_from_args(args, strategy: str) -> TrainConfig:
     return TrainConfig(model=args.model, task=args.task, task_knobs=args.task_knobs, strategy=strategy, steps=args.steps,
                        prompts_per_step=args.prompts_per_step, grpo=GRPOConfig(num_generations=args.group_size, loss_type=args.loss_type,
                        max_completion_length=args.max_new_tokens), max_new_tokens=args.max_new_tokens, lr=args.lr,
-                       micro_batch_size=args.micro_batch_size, seed=args.seed)
+                       micro_batch_size=args.micro_batch_size, seed=args.seed, save_every=args.save_every)
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -118,5 +120,5 @@ def main(argv: list[str] | None = None) -> int:
         print("\njetrl: interrupted; the last finished step is saved: run the same command with --resume to continue.", file=sys.stderr)
         return 130
 
-# %% ../nbs/09_cli.ipynb #07f4430f
+# %% ../nbs/09_cli.ipynb #cb742d5d
 if __name__ == "__main__": sys.exit(main())
