@@ -9,7 +9,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'ge
            'FP8LinearFunction', 'linear_sqnr', 'FP8Linear', 'default_module_filter', 'convert_to_fp8', 'fp8_modules',
            'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
-# %% ../nbs/01_linear.ipynb #423717de
+# %% ../nbs/01_linear.ipynb #2c33ddc8
 from dataclasses import dataclass
 from typing import Callable
 import torch
@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, KERNEL_BLOCK
 
-# %% ../nbs/01_linear.ipynb #c5f779f6
+# %% ../nbs/01_linear.ipynb #f5b1fba0
 GEMMS = ("fprop", "dgrad", "wgrad")
 GRANULARITIES = ("blockwise", "rowwise", "tensorwise", "none")
 
@@ -70,14 +70,14 @@ def get_recipe(recipe: "str | FP8Recipe") -> FP8Recipe:
         raise ValueError(f"Unknown recipe {recipe!r}: use one of {sorted(RECIPES)} or build an FP8Recipe.")
     return RECIPES[recipe]
 
-# %% ../nbs/01_linear.ipynb #cb104d34
+# %% ../nbs/01_linear.ipynb #6370ca53
 def quantize_weight(hp_weight: torch.Tensor, recipe: "str | FP8Recipe", gemm: str = "fprop") -> FP8Tensor:
     "The FP8 weight (N, K) that `gemm` uses under `recipe`: the one weight quantizer of jetrl."
     recipe = get_recipe(recipe)
     if not recipe.quantizes: raise ValueError(f"Recipe {recipe.name!r} does not quantize: there is no FP8 weight.")
     return quantize_unchecked(hp_weight.detach(), recipe.block("w", gemm), recipe.weight_fmt, recipe.pow2_scale)
 
-# %% ../nbs/01_linear.ipynb #ec5aea8d
+# %% ../nbs/01_linear.ipynb #d76577b4
 def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, transposed_layout: bool = False) -> FP8Tensor:
     "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
@@ -138,7 +138,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
 
-# %% ../nbs/01_linear.ipynb #6dd21899
+# %% ../nbs/01_linear.ipynb #85ae566d
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
     from jetrl.fp8 import sqnr
@@ -150,7 +150,7 @@ def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Ten
         results[fn] = (y.detach(), xi.grad, wi.grad)
     return {name: sqnr(ref, out) for name, ref, out in zip(("y", "dx", "dw"), results["fp32"], results["fp8"])}
 
-# %% ../nbs/01_linear.ipynb #071a8044
+# %% ../nbs/01_linear.ipynb #b2962bcf
 class FP8Linear(nn.Linear):
     "An nn.Linear whose three GEMMs follow an FP8Recipe; the master weight stays in its own dtype."
 
@@ -189,7 +189,7 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
-# %% ../nbs/01_linear.ipynb #89a00efc
+# %% ../nbs/01_linear.ipynb #b23c0ec0
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -221,7 +221,7 @@ def set_recipe(model: nn.Module, recipe: "str | FP8Recipe") -> nn.Module:
     for m in fp8_modules(model).values(): m.recipe = recipe
     return model
 
-# %% ../nbs/01_linear.ipynb #0397e025
+# %% ../nbs/01_linear.ipynb #e289502e
 class FP8InferenceLinear(nn.Module):
     "A linear layer that holds only an FP8 weight (data and scales), as a separate rollout engine does."
 
@@ -255,7 +255,7 @@ class FP8InferenceLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}, weight=FP8 only"
 
-# %% ../nbs/01_linear.ipynb #5c062776
+# %% ../nbs/01_linear.ipynb #bee23433
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: "list[torch.Tensor]" = ()) -> int:
     "Bytes of the tensors autograd saves for backward while `fn()` runs, parameters excluded."
     param_ptrs = {p.data_ptr() for p in params}

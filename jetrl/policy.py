@@ -9,8 +9,8 @@ __all__ = ['HP_DTYPES', 'STRATEGIES', 'CHECKPOINT_VERSION', 'SUPPORTED_FAMILIES'
            'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'token_log_probs', 'train_log_probs',
            'rollout_log_probs', 'save_checkpoint', 'load_checkpoint', 'load_model_and_tokenizer', 'load_policy']
 
-# %% ../nbs/04_policy.ipynb #cfd586c0
-import copy, json, os, time, warnings
+# %% ../nbs/04_policy.ipynb #e77fa0db
+import copy, json, os, shutil, time, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
@@ -18,7 +18,7 @@ import torch.nn as nn
 from .linear import (FP8Recipe, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8, fp8_modules,
                           quantize_weight)
 
-# %% ../nbs/04_policy.ipynb #b11ee754
+# %% ../nbs/04_policy.ipynb #f80ff475
 HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def get_strategy(strategy: "str | PrecisionSpec") -> PrecisionSpec:
         raise ValueError(f"Unknown strategy {strategy!r}: use one of {sorted(STRATEGIES)} or build a PrecisionSpec.")
     return STRATEGIES[strategy]
 
-# %% ../nbs/04_policy.ipynb #ad20aee6
+# %% ../nbs/04_policy.ipynb #d681caa5
 def _keep_filter(spec: PrecisionSpec):
     return lambda module, fqn: fqn.split(".")[-1] not in spec.keep_high_precision
 
@@ -89,7 +89,7 @@ def build_rollout_copy(model: nn.Module, recipe: FP8Recipe) -> nn.Module:
         setattr(rollout.get_submodule(parent), child, engine_linear)
     return rollout.eval().requires_grad_(False)
 
-# %% ../nbs/04_policy.ipynb #bd7dcb8e
+# %% ../nbs/04_policy.ipynb #8444f74d
 @dataclass
 class SyncReport:
     "What a weight sync did: how many weights it quantized or copied, the bytes it wrote, and its time."
@@ -142,7 +142,7 @@ class Policy:
                 f"rollout={self.spec.rollout_recipe.name}{'' if self.spec.shared_weights else ' (separate FP8 copy)'}, "
                 f"hp_dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/04_policy.ipynb #652d95d8
+# %% ../nbs/04_policy.ipynb #7099f4ed
 def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     temperature: float = 1.0, with_entropy: bool = False):
     """log p(token t | tokens < t) for t = 1..T-1: (B, T) ids -> (B, T-1) fp32 log-probs (logits / temperature).
@@ -164,7 +164,7 @@ def rollout_log_probs(policy: Policy, input_ids, attention_mask=None, temperatur
     "Log-probs computed by the rollout side (no grad; FP8 weights as of the last sync)."
     return token_log_probs(policy.rollout_model, input_ids, attention_mask, temperature)
 
-# %% ../nbs/04_policy.ipynb #e528a675
+# %% ../nbs/04_policy.ipynb #827e94a4
 from safetensors.torch import save_file, load_file, save_model, load_model
 
 CHECKPOINT_VERSION = 1
@@ -184,7 +184,7 @@ def save_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
     "Write a checkpoint folder (safetensors + JSON), atomically."
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists(): import shutil; shutil.rmtree(tmp)
+    if tmp.exists(): shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_model(policy.model, str(tmp / "model.safetensors"))
     meta = {"version": CHECKPOINT_VERSION, "step": step, "spec": policy.spec.to_dict(), "extra": extra or {}}
@@ -192,7 +192,7 @@ def save_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
         tensors, meta["optimizer"] = _optimizer_tensors(optimizer)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
     (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=1, default=str))
-    if directory.exists(): import shutil; shutil.rmtree(directory)
+    if directory.exists(): shutil.rmtree(directory)
     os.replace(tmp, directory)
     return directory
 
@@ -220,7 +220,7 @@ def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.op
     policy.sync_weights()
     return meta
 
-# %% ../nbs/04_policy.ipynb #9fa7c26e
+# %% ../nbs/04_policy.ipynb #1f4b6617
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
 def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype = torch.float32):

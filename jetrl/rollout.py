@@ -8,14 +8,14 @@ Docs: https://jetrl.github.io/jetrl/rollout.html.md"""
 __all__ = ['SamplingParams', 'Rollout', 'sample_next', 'RolloutEngine', 'micro_batches', 'recompute_log_probs',
            'strategy_mismatch_table']
 
-# %% ../nbs/05_rollout.ipynb #deb1bc09
+# %% ../nbs/05_rollout.ipynb #ef7097dc
 import time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #1b242ef5
+# %% ../nbs/05_rollout.ipynb #79dbff5a
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -40,7 +40,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #0abd4b3f
+# %% ../nbs/05_rollout.ipynb #993d89fa
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -66,7 +66,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #43dbbbf4
+# %% ../nbs/05_rollout.ipynb #488920e4
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -85,7 +85,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #a3a7b77e
+# %% ../nbs/05_rollout.ipynb #152539c0
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -111,7 +111,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #ce6f314c
+# %% ../nbs/05_rollout.ipynb #94ebc9ad
 class RolloutEngine:
     "jetrl's embedded rollout engine: batched generation over the rollout side of a Policy (or any causal LM)."
 
@@ -208,14 +208,14 @@ class RolloutEngine:
         if device.type == "cuda": torch.cuda.synchronize(device)
         total_s = time.perf_counter() - start
 
+        # only active rows were ever written: past each row's length the ids are still pad and the log-probs 0
         completion_mask = (torch.arange(params.max_new_tokens, device=device)[None] < lengths[:, None]).long()
-        out_ids = out_ids.masked_fill(completion_mask == 0, self.pad_id)
-        texts = self.tokenizer.batch_decode(out_ids.masked_fill(completion_mask == 0, self.pad_id).tolist(), skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(out_ids.tolist(), skip_special_tokens=True)
         prompt_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         generated = int(lengths.sum())
         timing = dict(prefill_s=prefill_s, decode_s=total_s - prefill_s, total_s=total_s, generated_tokens=generated,
                       tokens_per_s=generated / max(total_s, 1e-9))
-        return Rollout(prompt_ids, prompt_mask, out_ids, completion_mask, out_logp * completion_mask,
+        return Rollout(prompt_ids, prompt_mask, out_ids, completion_mask, out_logp,
                        [prompt_texts[i // n] for i in range(rows)], texts, finish,
                        torch.arange(len(prompts), device=device).repeat_interleave(n), timing)
 
@@ -223,7 +223,7 @@ class RolloutEngine:
         tail = self.tokenizer.decode(ids[-32:].tolist(), skip_special_tokens=True)
         return any(s in tail for s in stops)
 
-# %% ../nbs/05_rollout.ipynb #d81cac35
+# %% ../nbs/05_rollout.ipynb #5d59c079
 def micro_batches(rows: int, size: int) -> list[slice]:
     "Row slices of at most `size` rows (0: one slice of all rows)."
     size = size or rows
@@ -242,7 +242,7 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
     if not with_entropy: return logp
     return logp, torch.cat([p[1] for p in parts])[:, P - 1:]
 
-# %% ../nbs/05_rollout.ipynb #45632e69
+# %% ../nbs/05_rollout.ipynb #c85402bd
 def strategy_mismatch_table(name_or_path: str, prompts: list[str], params: SamplingParams,
                             strategies=("bf16", "fp16", "jet", "fp8-rollout")) -> list[dict]:
     "Per strategy: mean and max |log p_train - log p_rollout| on the same completions (forward vs forward, engine vs trainer)."
