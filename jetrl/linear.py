@@ -9,7 +9,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'ge
            'FP8LinearFunction', 'linear_sqnr', 'FP8Linear', 'default_module_filter', 'convert_to_fp8', 'fp8_modules',
            'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
-# %% ../nbs/01_linear.ipynb #2c33ddc8
+# %% ../nbs/01_linear.ipynb #91ca0b23
 from dataclasses import dataclass
 from typing import Callable
 import torch
@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, KERNEL_BLOCK
 
-# %% ../nbs/01_linear.ipynb #f5b1fba0
+# %% ../nbs/01_linear.ipynb #ecc7966c
 GEMMS = ("fprop", "dgrad", "wgrad")
 GRANULARITIES = ("blockwise", "rowwise", "tensorwise", "none")
 
@@ -70,14 +70,14 @@ def get_recipe(recipe: "str | FP8Recipe") -> FP8Recipe:
         raise ValueError(f"Unknown recipe {recipe!r}: use one of {sorted(RECIPES)} or build an FP8Recipe.")
     return RECIPES[recipe]
 
-# %% ../nbs/01_linear.ipynb #6370ca53
+# %% ../nbs/01_linear.ipynb #24ce39e1
 def quantize_weight(hp_weight: torch.Tensor, recipe: "str | FP8Recipe", gemm: str = "fprop") -> FP8Tensor:
     "The FP8 weight (N, K) that `gemm` uses under `recipe`: the one weight quantizer of jetrl."
     recipe = get_recipe(recipe)
     if not recipe.quantizes: raise ValueError(f"Recipe {recipe.name!r} does not quantize: there is no FP8 weight.")
     return quantize_unchecked(hp_weight.detach(), recipe.block("w", gemm), recipe.weight_fmt, recipe.pow2_scale)
 
-# %% ../nbs/01_linear.ipynb #d76577b4
+# %% ../nbs/01_linear.ipynb #30fa65f4
 def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, transposed_layout: bool = False) -> FP8Tensor:
     "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
@@ -138,7 +138,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
 
-# %% ../nbs/01_linear.ipynb #85ae566d
+# %% ../nbs/01_linear.ipynb #944de71d
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
     from jetrl.fp8 import sqnr
@@ -150,7 +150,12 @@ def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Ten
         results[fn] = (y.detach(), xi.grad, wi.grad)
     return {name: sqnr(ref, out) for name, ref, out in zip(("y", "dx", "dw"), results["fp32"], results["fp8"])}
 
-# %% ../nbs/01_linear.ipynb #b2962bcf
+# %% ../nbs/01_linear.ipynb #29ae63d9
+def _same_layout(a: FP8Tensor, b: FP8Tensor) -> bool:
+    "Whether b's bytes and scales can be written into a's tensors."
+    return all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device for x, y in ((a.data, b.data), (a.scale, b.scale))) \
+        and (a.block, a.fmt) == (b.block, b.fmt)
+
 class FP8Linear(nn.Linear):
     "An nn.Linear whose three GEMMs follow an FP8Recipe; the master weight stays in its own dtype."
 
@@ -175,11 +180,13 @@ class FP8Linear(nn.Linear):
         return quantize_weight(self.weight, self.recipe, "fprop")
 
     def sync_fp8_weight(self) -> FP8Tensor:
-        "Quantize the current master weight once, for the no-grad (rollout) forwards until it changes."
-        self._synced = None
-        w_fp8 = self.fp8_weight()
-        self._synced = (self.weight._version, self.recipe, w_fp8)
-        return w_fp8
+        """Quantize the current master weight once, for the no-grad (rollout) forwards until it changes. The bytes
+        are written into the previous FP8 tensors when they fit, so they keep their addresses (CUDA graphs read them)."""
+        fresh, previous = quantize_weight(self.weight, self.recipe, "fprop"), self._synced
+        if previous is not None and _same_layout(previous[2], fresh):
+            previous[2].data.copy_(fresh.data); previous[2].scale.copy_(fresh.scale); fresh = previous[2]
+        self._synced = (self.weight._version, self.recipe, fresh)
+        return fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.quantizes: return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -189,7 +196,7 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
-# %% ../nbs/01_linear.ipynb #b23c0ec0
+# %% ../nbs/01_linear.ipynb #2dd79b47
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -221,7 +228,7 @@ def set_recipe(model: nn.Module, recipe: "str | FP8Recipe") -> nn.Module:
     for m in fp8_modules(model).values(): m.recipe = recipe
     return model
 
-# %% ../nbs/01_linear.ipynb #e289502e
+# %% ../nbs/01_linear.ipynb #2397dda7
 class FP8InferenceLinear(nn.Module):
     "A linear layer that holds only an FP8 weight (data and scales), as a separate rollout engine does."
 
@@ -245,9 +252,8 @@ class FP8InferenceLinear(nn.Module):
         if (w_fp8.shape, w_fp8.block, w_fp8.fmt) != (self.weight_fp8.shape, self.block, self.recipe.weight_fmt):
             raise ValueError(f"weight {w_fp8} does not fit this layer: shape {tuple(self.weight_fp8.shape)}, "
                              f"block {self.block}, format {self.recipe.weight_fmt!r}.")
-        self.weight_fp8 = w_fp8.data.detach().clone()
-        self.weight_scale = w_fp8.scale.detach().clone()
-        if bias is not None: self.bias = bias.detach().clone().to(self.bias.dtype)
+        self.weight_fp8.copy_(w_fp8.data); self.weight_scale.copy_(w_fp8.scale)      # in place: the addresses stay
+        if bias is not None: self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_fprop(x, self.fp8_weight(), self.bias, self.recipe)[0]
@@ -255,7 +261,7 @@ class FP8InferenceLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}, weight=FP8 only"
 
-# %% ../nbs/01_linear.ipynb #bee23433
+# %% ../nbs/01_linear.ipynb #593317eb
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: "list[torch.Tensor]" = ()) -> int:
     "Bytes of the tensors autograd saves for backward while `fn()` runs, parameters excluded."
     param_ptrs = {p.data_ptr() for p in params}

@@ -5,7 +5,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from jetrl.policy import Policy
-from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs, sample_next
+from jetrl.rollout import (RolloutEngine, SamplingParams, StaticDecoder, recompute_log_probs, sample_next,
+                           static_decode_unsupported)
 
 CORPUS = ["What is 12 + 34? 46. The cat sat on the mat. Stop here. Answer: 7"] * 10
 PROMPTS = ["What is 12 + 34?", "The cat", "sat on the mat. The cat sat on", "Answer:"]
@@ -35,11 +36,14 @@ def hf_greedy(model, tokenizer, prompts, max_new_tokens):
     return out[:, batch["input_ids"].shape[1]:]
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
 @pytest.mark.parametrize("eos_boost", [1.0, 2.5])
-def test_greedy_equals_transformers_generate(tokenizer, eos_boost):
-    "Exactly HF's tokens, ragged prompts (left padding), with (2.5) and without (1.0) early EOS."
+def test_greedy_equals_transformers_generate(tokenizer, eos_boost, cache):
+    "Exactly HF's tokens, ragged prompts (left padding), with (2.5) and without (1.0) early EOS, both caches."
     model = make_model(tokenizer, eos_boost=eos_boost)
-    ours = RolloutEngine(model, tokenizer, chat_template=False).generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=16))
+    engine = RolloutEngine(model, tokenizer, chat_template=False, cache_implementation=cache)
+    assert engine.cache_implementation == cache
+    ours = engine.generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=16))
     theirs = hf_greedy(model, tokenizer, PROMPTS, 16)
     for i in range(len(PROMPTS)):
         n = int(ours.completion_lengths[i])
@@ -47,6 +51,64 @@ def test_greedy_equals_transformers_generate(tokenizer, eos_boost):
         if ours.finish_reasons[i] == "eos": assert ours.completion_ids[i, n - 1] == tokenizer.eos_token_id
         else: assert n == 16 and ours.finish_reasons[i] == "length"
     if eos_boost > 1: assert "eos" in ours.finish_reasons
+
+
+def test_padded_batch_widths_give_the_same_rollout(tokenizer):
+    "With CUDA graphs, finished rows ride along masked until the live rows fit a power-of-two width: same result."
+    words = CORPUS[0].split()
+    prompts = [" ".join(words[i:i + 3]) for i in range(9)]
+    model = make_model(tokenizer, eos_boost=12)                                    # 9 rows, 4 of them end early
+    params = SamplingParams(do_sample=False, max_new_tokens=16)    # greedy: sampling draws depend on the batch width
+    exact = RolloutEngine(model, tokenizer, chat_template=False).generate(prompts, params)
+    padded_engine = RolloutEngine(model, tokenizer, chat_template=False)
+    padded_engine._static = StaticDecoder(model, rows=9, capacity=256)
+    padded_engine._static.pad_widths = True
+    widths = []
+    step = padded_engine._static.step
+    padded_engine._static.step = lambda tokens: widths.append(tokens.shape[0]) or step(tokens)
+    padded = padded_engine.generate(prompts, params)
+    assert torch.equal(exact.completion_ids, padded.completion_ids) and exact.finish_reasons == padded.finish_reasons
+    assert torch.allclose(exact.logprobs, padded.logprobs, atol=1e-6)
+    assert widths[0] == 9 and set(widths) == {9, 8}                   # narrowed to 8 slots, then dead slots rode along
+    assert padded.finish_reasons.count("eos") >= 4
+
+
+def test_static_and_dynamic_cache_agree_when_sampling(tokenizer):
+    model = make_model(tokenizer, eos_boost=2.5)
+    params = SamplingParams(n=4, max_new_tokens=20, seed=0)
+    static, dynamic = (RolloutEngine(model, tokenizer, chat_template=False, cache_implementation=c).generate(PROMPTS, params)
+                       for c in ("static", "dynamic"))
+    assert torch.equal(static.completion_ids, dynamic.completion_ids)
+    assert (static.logprobs - dynamic.logprobs).abs().max() < 1e-5
+
+
+def test_unsupported_model_falls_back_to_the_dynamic_cache(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=len(tokenizer), n_positions=64,
+                                      eos_token_id=tokenizer.eos_token_id)).eval()
+    assert "gpt2" in static_decode_unsupported(gpt2)
+    engine = RolloutEngine(gpt2, tokenizer, chat_template=False)
+    assert engine.cache_implementation == "dynamic"
+    assert len(engine.generate(PROMPTS[:2], SamplingParams(do_sample=False, max_new_tokens=4))) == 2
+    with pytest.raises(ValueError, match="'static' cannot run this model: model_type 'gpt2'"):
+        RolloutEngine(gpt2, tokenizer, chat_template=False, cache_implementation="static")
+    with pytest.raises(ValueError, match="cache_implementation must be one of"):
+        RolloutEngine(gpt2, tokenizer, cache_implementation="paged")
+
+
+def test_jet_rollout_follows_weight_updates(tokenizer):
+    "Under jet the engine reuses its cache (and graphs) across calls; a weight update must reach the next rollout."
+    policy = Policy(make_model(tokenizer), tokenizer, "jet")
+    engine = RolloutEngine(policy, chat_template=False)
+    params = SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True)
+    before = engine.generate(PROMPTS, params)
+    with torch.no_grad():
+        for p in policy.model.parameters(): p.mul_(1.5)                          # an in-place update, as an optimizer step
+    after = engine.generate(PROMPTS, params)
+    fresh = RolloutEngine(Policy(policy.model, tokenizer, "jet"), chat_template=False).generate(PROMPTS, params)
+    assert torch.equal(after.completion_ids, fresh.completion_ids) and torch.equal(after.logprobs, fresh.logprobs)
+    assert not torch.equal(before.logprobs, after.logprobs)
 
 
 def test_rows_do_not_influence_each_other(tokenizer):
