@@ -9,15 +9,16 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'ge
            'FP8LinearFunction', 'linear_sqnr', 'FP8Linear', 'default_module_filter', 'convert_to_fp8', 'fp8_modules',
            'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
-# %% ../nbs/01_linear.ipynb #91ca0b23
+# %% ../nbs/01_linear.ipynb #b6b57af2
 from dataclasses import dataclass
 from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .fp8 import FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, KERNEL_BLOCK
+from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
+                       KERNEL_BLOCK)
 
-# %% ../nbs/01_linear.ipynb #ecc7966c
+# %% ../nbs/01_linear.ipynb #dfcf03c7
 GEMMS = ("fprop", "dgrad", "wgrad")
 GRANULARITIES = ("blockwise", "rowwise", "tensorwise", "none")
 
@@ -70,14 +71,14 @@ def get_recipe(recipe: "str | FP8Recipe") -> FP8Recipe:
         raise ValueError(f"Unknown recipe {recipe!r}: use one of {sorted(RECIPES)} or build an FP8Recipe.")
     return RECIPES[recipe]
 
-# %% ../nbs/01_linear.ipynb #24ce39e1
+# %% ../nbs/01_linear.ipynb #7c46b761
 def quantize_weight(hp_weight: torch.Tensor, recipe: "str | FP8Recipe", gemm: str = "fprop") -> FP8Tensor:
     "The FP8 weight (N, K) that `gemm` uses under `recipe`: the one weight quantizer of jetrl."
     recipe = get_recipe(recipe)
     if not recipe.quantizes: raise ValueError(f"Recipe {recipe.name!r} does not quantize: there is no FP8 weight.")
     return quantize_unchecked(hp_weight.detach(), recipe.block("w", gemm), recipe.weight_fmt, recipe.pow2_scale)
 
-# %% ../nbs/01_linear.ipynb #30fa65f4
+# %% ../nbs/01_linear.ipynb #e6693169
 def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, transposed_layout: bool = False) -> FP8Tensor:
     "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
@@ -88,12 +89,14 @@ def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, trans
     t_fp8 = quantize_unchecked(t.t(), block[::-1], fmt, recipe.pow2_scale)
     return t_fp8._replace(data=t_fp8.data.contiguous(), scale=t_fp8.scale.contiguous()).t()
 
-def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, recipe: FP8Recipe):
+def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
+              w_kernel_scale: torch.Tensor | None = None):
     """The FP8 forward GEMM, `x @ W.T + b`, for x (..., K) and an FP8 weight (N, K). Returns (y, x_fp8).
-    Training and rollout both call this one function: that is what makes Jet-RL's two sides one graph."""
+    Training and rollout both call this one function: that is what makes Jet-RL's two sides one graph.
+    `w_kernel_scale` (`kernel_weight_scale(w_fp8)`, cached with a synced weight) only saves the kernel a re-layout."""
     x2d = x.reshape(-1, x.shape[-1])                                       # (M, K)
     x_fp8 = _quantize(x2d, recipe, "x", "fprop")
-    y2d = fp8_mm(x_fp8, w_fp8.t(), out_dtype=x.dtype)                      # (M, N), fp32 accumulation
+    y2d = fp8_mm(x_fp8, w_fp8.t(), out_dtype=x.dtype, b_kernel_scale=w_kernel_scale)   # (M, N), fp32 accumulation
     if bias is not None: y2d = y2d + bias.to(y2d.dtype)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1]), x_fp8
 
@@ -138,7 +141,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
 
-# %% ../nbs/01_linear.ipynb #944de71d
+# %% ../nbs/01_linear.ipynb #5e27a9a1
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
     from jetrl.fp8 import sqnr
@@ -150,7 +153,7 @@ def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Ten
         results[fn] = (y.detach(), xi.grad, wi.grad)
     return {name: sqnr(ref, out) for name, ref, out in zip(("y", "dx", "dw"), results["fp32"], results["fp8"])}
 
-# %% ../nbs/01_linear.ipynb #29ae63d9
+# %% ../nbs/01_linear.ipynb #fe5c6837
 def _same_layout(a: FP8Tensor, b: FP8Tensor) -> bool:
     "Whether b's bytes and scales can be written into a's tensors."
     return all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device for x, y in ((a.data, b.data), (a.scale, b.scale))) \
@@ -172,31 +175,39 @@ class FP8Linear(nn.Linear):
         new.weight, new.bias = linear.weight, linear.bias
         return new
 
-    _synced: tuple | None = None   # (weight version, recipe, FP8 weight) from the last sync_fp8_weight()
+    _synced: tuple | None = None   # (weight version, recipe, FP8 weight, its kernel-layout scales) of the last sync
+
+    def _synced_weight(self) -> tuple | None:
+        "(FP8 weight, kernel-layout scales) from the last sync, if the master weight and recipe have not changed since."
+        if self._synced is not None and self._synced[:2] == (self.weight._version, self.recipe): return self._synced[2:]
+        return None
 
     def fp8_weight(self) -> FP8Tensor:
         "The FP8 weight (data and scales) this layer's forward uses for the current master weight."
-        if self._synced is not None and self._synced[:2] == (self.weight._version, self.recipe): return self._synced[2]
-        return quantize_weight(self.weight, self.recipe, "fprop")
+        synced = self._synced_weight()
+        return synced[0] if synced is not None else quantize_weight(self.weight, self.recipe, "fprop")
 
     def sync_fp8_weight(self) -> FP8Tensor:
         """Quantize the current master weight once, for the no-grad (rollout) forwards until it changes. The bytes
         are written into the previous FP8 tensors when they fit, so they keep their addresses (CUDA graphs read them)."""
         fresh, previous = quantize_weight(self.weight, self.recipe, "fprop"), self._synced
+        kernel_scale = kernel_weight_scale(fresh)
         if previous is not None and _same_layout(previous[2], fresh):
             previous[2].data.copy_(fresh.data); previous[2].scale.copy_(fresh.scale); fresh = previous[2]
-        self._synced = (self.weight._version, self.recipe, fresh)
+            if kernel_scale is not None: previous[3].copy_(kernel_scale); kernel_scale = previous[3]
+        self._synced = (self.weight._version, self.recipe, fresh, kernel_scale)
         return fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.quantizes: return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if not torch.is_grad_enabled() and self.recipe.is_fp8("fprop"):   # rollout / evaluation: Fprop only
-            return fp8_fprop(x, self.fp8_weight(), self.bias, self.recipe)[0]
+            synced = self._synced_weight() or (quantize_weight(self.weight, self.recipe, "fprop"), None)
+            return fp8_fprop(x, synced[0], self.bias, self.recipe, synced[1])[0]
         return FP8LinearFunction.apply(x, self.weight, self.bias, self.recipe)
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
-# %% ../nbs/01_linear.ipynb #2dd79b47
+# %% ../nbs/01_linear.ipynb #16d4a6e6
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -228,7 +239,7 @@ def set_recipe(model: nn.Module, recipe: "str | FP8Recipe") -> nn.Module:
     for m in fp8_modules(model).values(): m.recipe = recipe
     return model
 
-# %% ../nbs/01_linear.ipynb #2397dda7
+# %% ../nbs/01_linear.ipynb #cef06a6c
 class FP8InferenceLinear(nn.Module):
     "A linear layer that holds only an FP8 weight (data and scales), as a separate rollout engine does."
 
@@ -243,6 +254,8 @@ class FP8InferenceLinear(nn.Module):
                                                        dtype=fp8_dtype(self.recipe.weight_fmt)))
         self.register_buffer("weight_scale", torch.ones(scale_shape((out_features, in_features), self.block), device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device, dtype=bias_dtype) if bias else None)
+        # the scales again, in the blockwise kernel's layout (derived: not saved with the module)
+        self.register_buffer("weight_scale_kernel", kernel_weight_scale(self.fp8_weight()), persistent=False)
 
     def fp8_weight(self) -> FP8Tensor:
         return FP8Tensor(self.weight_fp8, self.weight_scale, self.block, self.recipe.weight_fmt)
@@ -253,15 +266,16 @@ class FP8InferenceLinear(nn.Module):
             raise ValueError(f"weight {w_fp8} does not fit this layer: shape {tuple(self.weight_fp8.shape)}, "
                              f"block {self.block}, format {self.recipe.weight_fmt!r}.")
         self.weight_fp8.copy_(w_fp8.data); self.weight_scale.copy_(w_fp8.scale)      # in place: the addresses stay
+        if self.weight_scale_kernel is not None: self.weight_scale_kernel.copy_(kernel_weight_scale(w_fp8))
         if bias is not None: self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_fprop(x, self.fp8_weight(), self.bias, self.recipe)[0]
+        return fp8_fprop(x, self.fp8_weight(), self.bias, self.recipe, self.weight_scale_kernel)[0]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}, weight=FP8 only"
 
-# %% ../nbs/01_linear.ipynb #593317eb
+# %% ../nbs/01_linear.ipynb #39e35648
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: "list[torch.Tensor]" = ()) -> int:
     "Bytes of the tensors autograd saves for backward while `fn()` runs, parameters excluded."
     param_ptrs = {p.data_ptr() for p in params}

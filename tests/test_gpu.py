@@ -19,7 +19,8 @@ LAYOUTS = [(None, None), ((1, -1), (1, -1)), ((1, 128), (128, 128)), ((1, 128), 
 
 
 @cuda
-@pytest.mark.parametrize("shape", [(256, 512, 384), (200, 896, 4864), (64, 4096, 11008), (4096, 576, 1536)])
+@pytest.mark.parametrize("shape", [(256, 512, 384), (200, 896, 4864), (64, 4096, 11008), (4096, 576, 1536),
+                                   (1, 896, 4864), (17, 256, 384), (48, 4864, 896)])       # decode-sized M too
 @pytest.mark.parametrize("blocks", LAYOUTS)
 def test_kernel_matches_emulation(shape, blocks):
     M, K, N = shape
@@ -68,6 +69,27 @@ def test_quantize_gpu_bytes_equal_cpu():
             print(f"{name} {block}: scale differs by <= {scale_ulps:.1f} ulp, {codes_differ:.2e} of FP8 codes differ")
             # CPU and GPU fp32 division may differ in the last bit (measured on an H200: <= 1 ulp, no code changed)
             assert scale_ulps <= 1 and codes_differ < 1e-4
+
+
+@cuda
+def test_cached_kernel_scales_give_the_same_output():
+    "A synced FP8Linear hands the kernel its pre-laid-out scales; the numbers equal a fresh quantization's, and the
+    cache follows an in-place weight update."
+    from jetrl.fp8 import kernel_weight_scale
+    from jetrl.linear import FP8InferenceLinear, FP8Linear, fp8_fprop
+    torch.manual_seed(0)
+    layer = FP8Linear(896, 640, recipe="blockwise", device="cuda", dtype=torch.bfloat16)      # K/128 = 7: padded to 8
+    x = torch.randn(64, 896, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fresh = fp8_fprop(x, layer.fp8_weight(), layer.bias, layer.recipe)[0]                   # no cache: re-laid out per call
+        synced = layer.sync_fp8_weight()
+        assert kernel_weight_scale(synced).shape == (5, 8)
+        assert torch.equal(layer(x), fresh)
+        engine = FP8InferenceLinear(896, 640, True, "blockwise", device="cuda", bias_dtype=torch.bfloat16)
+        engine.load_fp8_weight(synced, layer.bias)
+        assert torch.equal(engine(x), fresh)
+        layer.weight.mul_(2); layer.sync_fp8_weight()
+        assert torch.equal(layer(x), fp8_fprop(x, layer.fp8_weight(), layer.bias, layer.recipe)[0])
 
 
 # ---- the rollout engine on CUDA: static cache, CUDA graphs, compiled step ----
