@@ -10,7 +10,7 @@ __all__ = ['STATIC_MODEL_TYPES', 'CACHE_IMPLEMENTATIONS', 'STOP_WINDOW', 'Sampli
            'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights', 'RolloutEngine', 'micro_batches',
            'recompute_log_probs', 'strategy_mismatch_table']
 
-# %% ../nbs/05_rollout.ipynb #98d5b20f
+# %% ../nbs/05_rollout.ipynb #732ace16
 import time
 from dataclasses import dataclass, field
 import torch
@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #546faf29
+# %% ../nbs/05_rollout.ipynb #b8c8f520
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -43,7 +43,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #e6e39de8
+# %% ../nbs/05_rollout.ipynb #fe939a36
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -69,7 +69,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #af18a1cd
+# %% ../nbs/05_rollout.ipynb #9be1df2d
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -91,7 +91,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #b4e7cc5f
+# %% ../nbs/05_rollout.ipynb #537fe915
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -117,7 +117,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #f139a063
+# %% ../nbs/05_rollout.ipynb #9d0f1c5b
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -210,7 +210,7 @@ def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(body.norm(h[:, -1:]))[:, -1]
 
-# %% ../nbs/05_rollout.ipynb #e1b58945
+# %% ../nbs/05_rollout.ipynb #902407b5
 def _power_of_two_at_least(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
 
 class DynamicDecoder:
@@ -257,7 +257,8 @@ class StaticDecoder:
         self.pad_widths = self.cuda_graphs                     # bucket the batch width only where graphs are captured
         self.graphs: dict[int, tuple] = {}                    # width -> (CUDAGraph, its output logits)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None    # one memory pool for all widths
-        self._step_fn = torch.compile(self._forward_step, dynamic=False) if compile else self._forward_step
+        # compiled for the first width; a second width makes torch.compile go dynamic (at most two compilations)
+        self._step_fn = torch.compile(self._forward_step) if compile else self._forward_step
         self.width, self.fingerprint = 0, None
 
     def fits(self, rows: int, capacity: int) -> bool: return rows <= self.cache.rows and capacity <= self.cache.capacity
@@ -330,7 +331,7 @@ def refresh_fp8_weights(model: nn.Module) -> int:
     for m in stale: m.sync_fp8_weight()
     return len(stale)
 
-# %% ../nbs/05_rollout.ipynb #18ae100e
+# %% ../nbs/05_rollout.ipynb #ef842637
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
 STOP_WINDOW = 32    # stop strings are searched in the text of each row's last STOP_WINDOW tokens
 
@@ -468,7 +469,7 @@ class RolloutEngine:
             if alive and any(s in self.tokenizer.decode(recent[row], skip_special_tokens=True) for s in stops):
                 live[slot] = False; stopped.add(row)
 
-# %% ../nbs/05_rollout.ipynb #7e40a9e2
+# %% ../nbs/05_rollout.ipynb #58b1d7ef
 def micro_batches(rows: int, size: int) -> list[slice]:
     "Row slices of at most `size` rows (0: one slice of all rows)."
     size = size or rows
@@ -487,7 +488,7 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
     if not with_entropy: return logp
     return logp, torch.cat([p[1] for p in parts])[:, P - 1:]
 
-# %% ../nbs/05_rollout.ipynb #ffa42e67
+# %% ../nbs/05_rollout.ipynb #3d81a6f3
 def strategy_mismatch_table(name_or_path: str, prompts: list[str], params: SamplingParams,
                             strategies=("bf16", "fp16", "jet", "fp8-rollout")) -> list[dict]:
     "Per strategy: mean and max |log p_train - log p_rollout| on the same completions (forward vs forward, engine vs trainer)."

@@ -73,8 +73,8 @@ def test_quantize_gpu_bytes_equal_cpu():
 
 @cuda
 def test_cached_kernel_scales_give_the_same_output():
-    "A synced FP8Linear hands the kernel its pre-laid-out scales; the numbers equal a fresh quantization's, and the
-    cache follows an in-place weight update."
+    """A synced FP8Linear hands the kernel its pre-laid-out scales; the numbers equal a fresh quantization's, and the
+    cache follows an in-place weight update."""
     from jetrl.fp8 import kernel_weight_scale
     from jetrl.linear import FP8InferenceLinear, FP8Linear, fp8_fprop
     torch.manual_seed(0)
