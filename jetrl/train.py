@@ -8,7 +8,7 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 __all__ = ['TrainConfig', 'Run', 'start_run', 'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples',
            'save_step', 'read_metrics']
 
-# %% ../nbs/08_train.ipynb #bc66aa72
+# %% ../nbs/08_train.ipynb #710b095e
 import copy, json, math, random, time
 from dataclasses import dataclass, asdict, field, replace
 from pathlib import Path
@@ -20,7 +20,7 @@ from .policy import Policy, get_strategy, load_model_and_tokenizer, save_checkpo
 from .rollout import RolloutEngine, SamplingParams, Rollout, recompute_log_probs, micro_batches
 from .tasks import get_task
 
-# %% ../nbs/08_train.ipynb #be0b309a
+# %% ../nbs/08_train.ipynb #8537122e
 @dataclass(frozen=True)
 class TrainConfig:
     "One GRPO run. Logged in full as the first line of metrics.jsonl."
@@ -64,7 +64,7 @@ class TrainConfig:
         d = dict(d); d["grpo"] = GRPOConfig(**d["grpo"]); d["task_knobs"] = tuple(sorted(d["task_knobs"].items()))
         return cls(**d)
 
-# %% ../nbs/08_train.ipynb #a2fc1707
+# %% ../nbs/08_train.ipynb #171f9cee
 @dataclass
 class Run:
     "Everything a training run holds between steps."
@@ -153,7 +153,7 @@ def _versions() -> dict:
     import jetrl, transformers
     return {"jetrl": jetrl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
-# %% ../nbs/08_train.ipynb #d894f10f
+# %% ../nbs/08_train.ipynb #bc69e108
 def _columns(rows: list[dict], n: int) -> dict[str, list]:
     "Task columns (answer, numbers, ...) repeated for the n completions of each prompt."
     keys = [k for k in rows[0] if k != "prompt"]
@@ -191,7 +191,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     run.scheduler.step()
     return stats | {"loss": loss_sum, "grad_norm": float(grad_norm), "lr": run.optimizer.param_groups[0]["lr"]}
 
-# %% ../nbs/08_train.ipynb #122a7ba0
+# %% ../nbs/08_train.ipynb #89c57310
 def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False,
           callbacks: list[Callable[[dict], None]] = (), policy: Policy | None = None, progress: bool = False) -> Run:
     """Run GRPO for `config.steps` steps. Each step's metrics go to `out_dir/metrics.jsonl` and to every callback.
@@ -219,7 +219,7 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
         if any(cb(metrics) is False for cb in callbacks): break
     return run
 
-# %% ../nbs/08_train.ipynb #52c69aae
+# %% ../nbs/08_train.ipynb #87f8f402
 def step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, tokenizer=None) -> dict:
     "One step's metrics, with the names users of TRL / verl know."
     mask = rollout.completion_mask
