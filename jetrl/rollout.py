@@ -10,7 +10,7 @@ __all__ = ['STATIC_MODEL_TYPES', 'CACHE_IMPLEMENTATIONS', 'STOP_WINDOW', 'Sampli
            'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights', 'RolloutEngine', 'micro_batches',
            'recompute_log_probs', 'strategy_mismatch_table']
 
-# %% ../nbs/05_rollout.ipynb #692c5e0e
+# %% ../nbs/05_rollout.ipynb #ece5e212
 import time
 from dataclasses import dataclass, field
 import torch
@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #23e58fb7
+# %% ../nbs/05_rollout.ipynb #68771d1b
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -43,7 +43,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #acdc1ac7
+# %% ../nbs/05_rollout.ipynb #fc0a7a90
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -69,7 +69,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #9ad25b66
+# %% ../nbs/05_rollout.ipynb #6cb97225
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -92,7 +92,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #04ab8928
+# %% ../nbs/05_rollout.ipynb #6d87d484
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -118,7 +118,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #d9cc3203
+# %% ../nbs/05_rollout.ipynb #a366d75d
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -211,7 +211,7 @@ def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(body.norm(h[:, -1:]))[:, -1]
 
-# %% ../nbs/05_rollout.ipynb #11eb3b32
+# %% ../nbs/05_rollout.ipynb #53e71c73
 def _power_of_two_at_least(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
 
 class DynamicDecoder:
@@ -260,7 +260,9 @@ class StaticDecoder:
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None    # one memory pool for all widths
         # compiled for the first width; a second width makes torch.compile go dynamic (at most two compilations)
         self._step_fn = torch.compile(self._forward_step) if compile else self._forward_step
-        self.width, self.fingerprint = 0, None
+        # eager steps attend over the filled columns only; graphs and compiled steps keep one shape: all of them
+        self.attend_filled_only = not (self.cuda_graphs or compile)
+        self.width, self.filled, self.fingerprint = 0, 0, None
 
     def fits(self, rows: int, capacity: int) -> bool: return rows <= self.cache.rows and capacity <= self.cache.capacity
 
@@ -274,6 +276,7 @@ class StaticDecoder:
         self.width = prompts * n
         self.positions[: self.width] = prompt_mask.sum(-1).repeat_interleave(n)
         self.column.fill_(P)
+        self.filled = P                                       # columns holding keys (host-side count)
         return logits.repeat_interleave(n, 0)
 
     def width_for(self, live: int) -> int:
@@ -284,10 +287,11 @@ class StaticDecoder:
         self.positions[: keep.numel()] = self.positions[keep].clone()
         self.width = width
 
-    def _forward_step(self, width: int) -> torch.Tensor:
+    def _forward_step(self, width: int, upto: int | None = None) -> torch.Tensor:
         "One decode step of rows 0..width-1 on the tokens in `self.tokens`; advances positions and column in place."
         self.cache.valid[:width].index_fill_(1, self.column, True)
-        logits = decoder_forward(self.model, self.tokens[:width, None], self.positions[:width, None], self.cache, self.column)
+        logits = decoder_forward(self.model, self.tokens[:width, None], self.positions[:width, None], self.cache, self.column,
+                                 upto)
         self.positions[:width] += 1
         self.column += 1
         return logits
@@ -295,7 +299,8 @@ class StaticDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         width = tokens.shape[0]
         self.tokens[:width].copy_(tokens)
-        if not self.cuda_graphs: return self._step_fn(width)
+        self.filled += 1
+        if not self.cuda_graphs: return self._step_fn(width, self.filled if self.attend_filled_only else None)
         if width in self.graphs:
             graph, logits = self.graphs[width]
             graph.replay()
@@ -332,7 +337,7 @@ def refresh_fp8_weights(model: nn.Module) -> int:
     for m in stale: m.sync_fp8_weight()
     return len(stale)
 
-# %% ../nbs/05_rollout.ipynb #7776d937
+# %% ../nbs/05_rollout.ipynb #0a665155
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
 STOP_WINDOW = 32    # stop strings are searched in the text of each row's last STOP_WINDOW tokens
 
@@ -470,7 +475,7 @@ class RolloutEngine:
             if alive and any(s in self.tokenizer.decode(recent[row], skip_special_tokens=True) for s in stops):
                 live[slot] = False; stopped.add(row)
 
-# %% ../nbs/05_rollout.ipynb #b11ee022
+# %% ../nbs/05_rollout.ipynb #d2147321
 def micro_batches(rows: int, size: int) -> list[slice]:
     "Row slices of at most `size` rows (0: one slice of all rows)."
     size = size or rows
@@ -489,7 +494,7 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
     if not with_entropy: return logp
     return logp, torch.cat([p[1] for p in parts])[:, P - 1:]
 
-# %% ../nbs/05_rollout.ipynb #c812337f
+# %% ../nbs/05_rollout.ipynb #3258b39d
 def strategy_mismatch_table(name_or_path: str, prompts: list[str], params: SamplingParams,
                             strategies=("bf16", "fp16", "jet", "fp8-rollout")) -> list[dict]:
     "Per strategy: mean and max |log p_train - log p_rollout| on the same completions (forward vs forward, engine vs trainer)."
