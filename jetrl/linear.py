@@ -6,10 +6,11 @@ Docs: https://jetrl.github.io/jetrl/linear.html.md"""
 
 # %% auto #0
 __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'get_recipe', 'quantize_weight', 'fp8_fprop',
-           'FP8LinearFunction', 'linear_sqnr', 'FP8Linear', 'default_module_filter', 'convert_to_fp8', 'fp8_modules',
-           'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
+           'FP8LinearFunction', 'linear_sqnr', 'assume_synced_fp8_weights', 'FP8Linear', 'default_module_filter',
+           'convert_to_fp8', 'fp8_modules', 'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
-# %% ../nbs/01_linear.ipynb #b6b57af2
+# %% ../nbs/01_linear.ipynb #045c4739
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
                        KERNEL_BLOCK)
 
-# %% ../nbs/01_linear.ipynb #dfcf03c7
+# %% ../nbs/01_linear.ipynb #33d97085
 GEMMS = ("fprop", "dgrad", "wgrad")
 GRANULARITIES = ("blockwise", "rowwise", "tensorwise", "none")
 
@@ -71,14 +72,14 @@ def get_recipe(recipe: "str | FP8Recipe") -> FP8Recipe:
         raise ValueError(f"Unknown recipe {recipe!r}: use one of {sorted(RECIPES)} or build an FP8Recipe.")
     return RECIPES[recipe]
 
-# %% ../nbs/01_linear.ipynb #7c46b761
+# %% ../nbs/01_linear.ipynb #fbed0292
 def quantize_weight(hp_weight: torch.Tensor, recipe: "str | FP8Recipe", gemm: str = "fprop") -> FP8Tensor:
     "The FP8 weight (N, K) that `gemm` uses under `recipe`: the one weight quantizer of jetrl."
     recipe = get_recipe(recipe)
     if not recipe.quantizes: raise ValueError(f"Recipe {recipe.name!r} does not quantize: there is no FP8 weight.")
     return quantize_unchecked(hp_weight.detach(), recipe.block("w", gemm), recipe.weight_fmt, recipe.pow2_scale)
 
-# %% ../nbs/01_linear.ipynb #e6693169
+# %% ../nbs/01_linear.ipynb #8221824b
 def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, transposed_layout: bool = False) -> FP8Tensor:
     "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
@@ -141,7 +142,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
 
-# %% ../nbs/01_linear.ipynb #5e27a9a1
+# %% ../nbs/01_linear.ipynb #800988ec
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
     from jetrl.fp8 import sqnr
@@ -153,7 +154,19 @@ def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Ten
         results[fn] = (y.detach(), xi.grad, wi.grad)
     return {name: sqnr(ref, out) for name, ref, out in zip(("y", "dx", "dw"), results["fp32"], results["fp8"])}
 
-# %% ../nbs/01_linear.ipynb #fe5c6837
+# %% ../nbs/01_linear.ipynb #db1c7127
+_ASSUME_SYNCED = False   # True only inside `assume_synced_fp8_weights()`
+
+@contextmanager
+def assume_synced_fp8_weights():
+    """Inside, a synced FP8Linear uses its cached FP8 weight without comparing the master weight's version counter
+    (which `torch.compile` cannot trace). Enter it only after syncing every FP8Linear, with no weight update inside:
+    the rollout engine's decode steps."""
+    global _ASSUME_SYNCED
+    previous, _ASSUME_SYNCED = _ASSUME_SYNCED, True
+    try: yield
+    finally: _ASSUME_SYNCED = previous
+
 def _same_layout(a: FP8Tensor, b: FP8Tensor) -> bool:
     "Whether b's bytes and scales can be written into a's tensors."
     return all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device for x, y in ((a.data, b.data), (a.scale, b.scale))) \
@@ -179,7 +192,10 @@ class FP8Linear(nn.Linear):
 
     def _synced_weight(self) -> tuple | None:
         "(FP8 weight, kernel-layout scales) from the last sync, if the master weight and recipe have not changed since."
-        if self._synced is not None and self._synced[:2] == (self.weight._version, self.recipe): return self._synced[2:]
+        if self._synced is None or self._synced[1] != self.recipe: return None
+        # the version check reads a counter torch.compile cannot trace (a graph break per layer); a caller that has
+        # just synced every layer may vouch for it instead (`assume_synced_fp8_weights`)
+        if _ASSUME_SYNCED or self._synced[0] == self.weight._version: return self._synced[2:]
         return None
 
     def fp8_weight(self) -> FP8Tensor:
@@ -207,7 +223,7 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
-# %% ../nbs/01_linear.ipynb #16d4a6e6
+# %% ../nbs/01_linear.ipynb #0300c093
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -239,7 +255,7 @@ def set_recipe(model: nn.Module, recipe: "str | FP8Recipe") -> nn.Module:
     for m in fp8_modules(model).values(): m.recipe = recipe
     return model
 
-# %% ../nbs/01_linear.ipynb #cef06a6c
+# %% ../nbs/01_linear.ipynb #360a6ee9
 class FP8InferenceLinear(nn.Module):
     "A linear layer that holds only an FP8 weight (data and scales), as a separate rollout engine does."
 
@@ -275,7 +291,7 @@ class FP8InferenceLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}, weight=FP8 only"
 
-# %% ../nbs/01_linear.ipynb #39e35648
+# %% ../nbs/01_linear.ipynb #e28399de
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: "list[torch.Tensor]" = ()) -> int:
     "Bytes of the tensors autograd saves for backward while `fn()` runs, parameters excluded."
     param_ptrs = {p.data_ptr() for p in params}

@@ -10,15 +10,16 @@ __all__ = ['STATIC_MODEL_TYPES', 'CACHE_IMPLEMENTATIONS', 'STOP_WINDOW', 'Sampli
            'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights', 'RolloutEngine', 'micro_batches',
            'recompute_log_probs', 'strategy_mismatch_table']
 
-# %% ../nbs/05_rollout.ipynb #11f783f9
+# %% ../nbs/05_rollout.ipynb #819a7e82
 import time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from .linear import assume_synced_fp8_weights
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #dd3645ce
+# %% ../nbs/05_rollout.ipynb #fb5d8d92
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -43,7 +44,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #94661cd5
+# %% ../nbs/05_rollout.ipynb #8db450ac
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -69,7 +70,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #2641c489
+# %% ../nbs/05_rollout.ipynb #d7e34094
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -92,7 +93,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #014c733d
+# %% ../nbs/05_rollout.ipynb #aa2fc210
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -118,7 +119,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #2b8c9766
+# %% ../nbs/05_rollout.ipynb #d5eb461b
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -211,7 +212,7 @@ def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(body.norm(h[:, -1:]))[:, -1]
 
-# %% ../nbs/05_rollout.ipynb #a7a7857c
+# %% ../nbs/05_rollout.ipynb #61405a02
 def _power_of_two_at_least(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
 
 class DynamicDecoder:
@@ -300,6 +301,10 @@ class StaticDecoder:
         width = tokens.shape[0]
         self.tokens[:width].copy_(tokens)
         self.filled += 1
+        with assume_synced_fp8_weights():            # the engine refreshed every FP8 weight cache before this generation
+            return self._step(width)
+
+    def _step(self, width: int) -> torch.Tensor:
         if not self.cuda_graphs: return self._step_fn(width, self.filled if self.attend_filled_only else None)
         if width in self.graphs:
             graph, logits = self.graphs[width]
@@ -337,7 +342,7 @@ def refresh_fp8_weights(model: nn.Module) -> int:
     for m in stale: m.sync_fp8_weight()
     return len(stale)
 
-# %% ../nbs/05_rollout.ipynb #ca604025
+# %% ../nbs/05_rollout.ipynb #3d82549f
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
 STOP_WINDOW = 32    # stop strings are searched in the text of each row's last STOP_WINDOW tokens
 
@@ -475,7 +480,7 @@ class RolloutEngine:
             if alive and any(s in self.tokenizer.decode(recent[row], skip_special_tokens=True) for s in stops):
                 live[slot] = False; stopped.add(row)
 
-# %% ../nbs/05_rollout.ipynb #22f86074
+# %% ../nbs/05_rollout.ipynb #8697edd4
 def micro_batches(rows: int, size: int) -> list[slice]:
     "Row slices of at most `size` rows (0: one slice of all rows)."
     size = size or rows
@@ -494,7 +499,7 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
     if not with_entropy: return logp
     return logp, torch.cat([p[1] for p in parts])[:, P - 1:]
 
-# %% ../nbs/05_rollout.ipynb #93a9331c
+# %% ../nbs/05_rollout.ipynb #d18e2e54
 def strategy_mismatch_table(name_or_path: str, prompts: list[str], params: SamplingParams,
                             strategies=("bf16", "fp16", "jet", "fp8-rollout")) -> list[dict]:
     "Per strategy: mean and max |log p_train - log p_rollout| on the same completions (forward vs forward, engine vs trainer)."

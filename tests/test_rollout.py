@@ -210,3 +210,32 @@ def test_bad_prompts(tokenizer):
         engine.generate(["The cat sat on the mat. " * 3], SamplingParams(max_new_tokens=8))
     with pytest.raises(ValueError, match="no tokens"): engine.generate([""])
     with pytest.raises(ValueError, match="needs a tokenizer"): RolloutEngine(make_model(tokenizer))
+
+
+@pytest.mark.parametrize("strategy", ["bf16", "jet"])
+def test_decode_step_traces_as_one_graph(tokenizer, strategy):
+    "compile=True: the decode step, FP8 linears included, must trace without a graph break (one graph to capture)."
+    from jetrl.linear import assume_synced_fp8_weights
+    from jetrl.rollout import refresh_fp8_weights
+    policy = Policy(make_model(tokenizer), tokenizer, strategy)
+    decoder = StaticDecoder(policy.model, rows=4, capacity=128)
+    refresh_fp8_weights(policy.model)
+    ids = torch.randint(2, len(tokenizer), (4, 8))
+    with torch.no_grad():
+        decoder.prefill(ids, torch.ones_like(ids), 1)
+        with assume_synced_fp8_weights(): explained = torch._dynamo.explain(decoder._forward_step)(4)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
+def test_stale_fp8_weights_are_never_used_outside_the_engine(tokenizer):
+    "Outside the engine's vouching context a changed master weight is re-quantized, never served stale."
+    from jetrl.linear import assume_synced_fp8_weights, fp8_modules
+    policy = Policy(make_model(tokenizer), tokenizer, "jet")
+    layer = next(iter(fp8_modules(policy.model).values()))
+    synced = layer.sync_fp8_weight()
+    with torch.no_grad(): layer.weight.mul_(2)
+    assert not torch.equal(layer.fp8_weight().scale, synced.scale)               # re-quantized: the new scales
+    with assume_synced_fp8_weights(): assert layer.fp8_weight() is synced         # the caller vouched: cached
+    with pytest.raises(RuntimeError):
+        with assume_synced_fp8_weights(): raise RuntimeError("a failing step")
+    assert layer.fp8_weight() is not synced                                     # the vouch ended with the block
