@@ -9,7 +9,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'ge
            'FP8LinearFunction', 'linear_sqnr', 'assume_synced_fp8_weights', 'FP8Linear', 'default_module_filter',
            'convert_to_fp8', 'fp8_modules', 'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
-# %% ../nbs/01_linear.ipynb #045c4739
+# %% ../nbs/01_linear.ipynb #5bed1de3
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
                        KERNEL_BLOCK)
 
-# %% ../nbs/01_linear.ipynb #33d97085
+# %% ../nbs/01_linear.ipynb #7acb8cdc
 GEMMS = ("fprop", "dgrad", "wgrad")
 GRANULARITIES = ("blockwise", "rowwise", "tensorwise", "none")
 
@@ -72,14 +72,14 @@ def get_recipe(recipe: "str | FP8Recipe") -> FP8Recipe:
         raise ValueError(f"Unknown recipe {recipe!r}: use one of {sorted(RECIPES)} or build an FP8Recipe.")
     return RECIPES[recipe]
 
-# %% ../nbs/01_linear.ipynb #fbed0292
+# %% ../nbs/01_linear.ipynb #64fefb3b
 def quantize_weight(hp_weight: torch.Tensor, recipe: "str | FP8Recipe", gemm: str = "fprop") -> FP8Tensor:
     "The FP8 weight (N, K) that `gemm` uses under `recipe`: the one weight quantizer of jetrl."
     recipe = get_recipe(recipe)
     if not recipe.quantizes: raise ValueError(f"Recipe {recipe.name!r} does not quantize: there is no FP8 weight.")
     return quantize_unchecked(hp_weight.detach(), recipe.block("w", gemm), recipe.weight_fmt, recipe.pow2_scale)
 
-# %% ../nbs/01_linear.ipynb #8221824b
+# %% ../nbs/01_linear.ipynb #57357922
 def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, transposed_layout: bool = False) -> FP8Tensor:
     "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
@@ -142,7 +142,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, dbias, None
 
-# %% ../nbs/01_linear.ipynb #800988ec
+# %% ../nbs/01_linear.ipynb #4efe4e55
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
     from jetrl.fp8 import sqnr
@@ -154,7 +154,7 @@ def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Ten
         results[fn] = (y.detach(), xi.grad, wi.grad)
     return {name: sqnr(ref, out) for name, ref, out in zip(("y", "dx", "dw"), results["fp32"], results["fp8"])}
 
-# %% ../nbs/01_linear.ipynb #db1c7127
+# %% ../nbs/01_linear.ipynb #4466f566
 _ASSUME_SYNCED = False   # True only inside `assume_synced_fp8_weights()`
 
 @contextmanager
@@ -223,7 +223,7 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
-# %% ../nbs/01_linear.ipynb #0300c093
+# %% ../nbs/01_linear.ipynb #07538485
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -255,7 +255,9 @@ def set_recipe(model: nn.Module, recipe: "str | FP8Recipe") -> nn.Module:
     for m in fp8_modules(model).values(): m.recipe = recipe
     return model
 
-# %% ../nbs/01_linear.ipynb #360a6ee9
+# %% ../nbs/01_linear.ipynb #eea3ca8e
+def _refresh_after_load(module: "FP8InferenceLinear", incompatible_keys): module._refresh_kernel_scale()
+
 class FP8InferenceLinear(nn.Module):
     "A linear layer that holds only an FP8 weight (data and scales), as a separate rollout engine does."
 
@@ -270,8 +272,12 @@ class FP8InferenceLinear(nn.Module):
                                                        dtype=fp8_dtype(self.recipe.weight_fmt)))
         self.register_buffer("weight_scale", torch.ones(scale_shape((out_features, in_features), self.block), device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device, dtype=bias_dtype) if bias else None)
-        # the scales again, in the blockwise kernel's layout (derived: not saved with the module)
+        # the scales again, in the blockwise kernel's layout (derived: not saved, rebuilt after a state-dict load)
         self.register_buffer("weight_scale_kernel", kernel_weight_scale(self.fp8_weight()), persistent=False)
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+
+    def _refresh_kernel_scale(self):
+        if self.weight_scale_kernel is not None: self.weight_scale_kernel.copy_(kernel_weight_scale(self.fp8_weight()))
 
     def fp8_weight(self) -> FP8Tensor:
         return FP8Tensor(self.weight_fp8, self.weight_scale, self.block, self.recipe.weight_fmt)
@@ -282,7 +288,7 @@ class FP8InferenceLinear(nn.Module):
             raise ValueError(f"weight {w_fp8} does not fit this layer: shape {tuple(self.weight_fp8.shape)}, "
                              f"block {self.block}, format {self.recipe.weight_fmt!r}.")
         self.weight_fp8.copy_(w_fp8.data); self.weight_scale.copy_(w_fp8.scale)      # in place: the addresses stay
-        if self.weight_scale_kernel is not None: self.weight_scale_kernel.copy_(kernel_weight_scale(w_fp8))
+        self._refresh_kernel_scale()
         if bias is not None: self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -291,7 +297,7 @@ class FP8InferenceLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}, weight=FP8 only"
 
-# %% ../nbs/01_linear.ipynb #e28399de
+# %% ../nbs/01_linear.ipynb #d17c8099
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: "list[torch.Tensor]" = ()) -> int:
     "Bytes of the tensors autograd saves for backward while `fn()` runs, parameters excluded."
     param_ptrs = {p.data_ptr() for p in params}

@@ -10,7 +10,7 @@ __all__ = ['STATIC_MODEL_TYPES', 'CACHE_IMPLEMENTATIONS', 'STOP_WINDOW', 'Sampli
            'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights', 'RolloutEngine', 'micro_batches',
            'recompute_log_probs', 'strategy_mismatch_table']
 
-# %% ../nbs/05_rollout.ipynb #2c1f19e3
+# %% ../nbs/05_rollout.ipynb #f7014f72
 import time
 from dataclasses import dataclass, field
 import torch
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .linear import assume_synced_fp8_weights
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #cf26ea2e
+# %% ../nbs/05_rollout.ipynb #8d5b2deb
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -44,7 +44,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #c5a4f980
+# %% ../nbs/05_rollout.ipynb #43804e87
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -70,7 +70,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #6e73b9d6
+# %% ../nbs/05_rollout.ipynb #8090664c
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -93,7 +93,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #4b9b27e5
+# %% ../nbs/05_rollout.ipynb #f7530ff9
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -119,7 +119,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #fa02e3c8
+# %% ../nbs/05_rollout.ipynb #38166a25
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -132,6 +132,13 @@ def static_decode_unsupported(model: nn.Module) -> str | None:
     body = getattr(model, "model", None)
     if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(model, "lm_head"):
         return "the model has no model.{embed_tokens, layers, norm, rotary_emb} and lm_head"
+    layer_types = getattr(config, "layer_types", None)          # Qwen2/3 say it per layer; Mistral by a window alone
+    sliding = any(t != "full_attention" for t in layer_types) if layer_types is not None else \
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", None) is not False
+    if sliding: return f"the model uses sliding-window attention (window {getattr(config, 'sliding_window', None)})"
+    rope_type = getattr(body.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):                     # these re-derive frequencies from positions on the host
+        return f"rope_type {rope_type!r} recomputes its frequencies from the positions on the host (no CUDA graph can hold that)"
     for i, layer in enumerate(body.layers):
         parts, attn = {n for n, _ in layer.named_children()}, getattr(layer, "self_attn", None)
         if parts != _LAYER_PARTS or attn is None or not {n for n, _ in attn.named_children()} <= _ATTENTION_PARTS:
@@ -212,7 +219,7 @@ def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(body.norm(h[:, -1:]))[:, -1]
 
-# %% ../nbs/05_rollout.ipynb #bafe11d4
+# %% ../nbs/05_rollout.ipynb #1685baa5
 def _power_of_two_at_least(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
 
 class DynamicDecoder:
@@ -342,7 +349,7 @@ def refresh_fp8_weights(model: nn.Module) -> int:
     for m in stale: m.sync_fp8_weight()
     return len(stale)
 
-# %% ../nbs/05_rollout.ipynb #5a80f4d9
+# %% ../nbs/05_rollout.ipynb #b7391307
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
 STOP_WINDOW = 32    # stop strings are searched in the text of each row's last STOP_WINDOW tokens
 
@@ -480,7 +487,7 @@ class RolloutEngine:
             if alive and any(s in self.tokenizer.decode(recent[row], skip_special_tokens=True) for s in stops):
                 live[slot] = False; stopped.add(row)
 
-# %% ../nbs/05_rollout.ipynb #88a5d189
+# %% ../nbs/05_rollout.ipynb #f8f166f7
 def micro_batches(rows: int, size: int) -> list[slice]:
     "Row slices of at most `size` rows (0: one slice of all rows)."
     size = size or rows
@@ -499,7 +506,7 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
     if not with_entropy: return logp
     return logp, torch.cat([p[1] for p in parts])[:, P - 1:]
 
-# %% ../nbs/05_rollout.ipynb #2b4dd327
+# %% ../nbs/05_rollout.ipynb #18bc12e2
 def strategy_mismatch_table(name_or_path: str, prompts: list[str], params: SamplingParams,
                             strategies=("bf16", "fp16", "jet", "fp8-rollout")) -> list[dict]:
     "Per strategy: mean and max |log p_train - log p_rollout| on the same completions (forward vs forward, engine vs trainer)."

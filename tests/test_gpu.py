@@ -22,9 +22,12 @@ LAYOUTS = [(None, None), ((1, -1), (1, -1)), ((1, 128), (128, 128)), ((1, 128), 
 @pytest.mark.parametrize("shape", [(256, 512, 384), (200, 896, 4864), (64, 4096, 11008), (4096, 576, 1536),
                                    (1, 896, 4864), (17, 256, 384), (48, 4864, 896)])       # decode-sized M too
 @pytest.mark.parametrize("blocks", LAYOUTS)
-def test_kernel_matches_emulation(shape, blocks):
+def test_kernel_matches_emulation(shape, blocks, monkeypatch):
+    import jetrl.fp8
     M, K, N = shape
     torch.manual_seed(0)
+    small_m_calls, real_small_m_gemm = [], jetrl.fp8._small_m_gemm
+    monkeypatch.setattr(jetrl.fp8, "_small_m_gemm", lambda *args: small_m_calls.append(1) or real_small_m_gemm(*args))
     a32, b32 = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
     a, b = quantize(a32, blocks[0]), quantize(b32, blocks[1]).t()
     assert has_fp8_kernel(a.data.device, kernel_layout(a, b))
@@ -34,8 +37,28 @@ def test_kernel_matches_emulation(shape, blocks):
         rel = ((kernel - emulated).norm() / emulated.norm()).item()
         tol = KERNEL_VS_EMULATION_REL if out_dtype == torch.float32 else 1e-2  # bf16 output rounding: 2^-9
         assert rel < tol, f"{kernel_layout(a, b)} {shape} {out_dtype}: relative difference {rel:.2e}"
+    decode_sized = kernel_layout(a, b) == "blockwise_1x128_128x128" and M <= jetrl.fp8.SMALL_M_MAX
+    assert bool(small_m_calls) == decode_sized, jetrl.fp8.SMALL_M_FAILURE       # the Triton kernel ran exactly there
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(5, 200, 300), (33, 640, 200), (64, 896, 4864)])    # partial K and N blocks too
+@pytest.mark.parametrize("path", ["triton", "cublas"])
+def test_decode_sized_blockwise_paths_match_emulation(shape, path, monkeypatch):
+    "Both kernels for few rows (Triton, and cuBLAS with rows padded to 16) against the emulation, scales pre-laid out."
     import jetrl.fp8
-    assert jetrl.fp8.SMALL_M_FAILURE is None, jetrl.fp8.SMALL_M_FAILURE       # the Triton decode kernel really ran
+    from jetrl.fp8 import kernel_weight_scale
+    M, K, N = shape
+    monkeypatch.setattr(jetrl.fp8, "SMALL_M_MAX", 64 if path == "triton" else 0)
+    calls, real = [], jetrl.fp8._small_m_gemm
+    monkeypatch.setattr(jetrl.fp8, "_small_m_gemm", lambda *args: calls.append(1) or real(*args))
+    torch.manual_seed(0)
+    a, w = quantize(torch.randn(M, K, device="cuda"), (1, 128)), quantize(torch.randn(N, K, device="cuda"), (128, 128))
+    kernel = fp8_mm(a, w.t(), out_dtype=torch.float32, backend="kernel", b_kernel_scale=kernel_weight_scale(w))
+    emulated = fp8_mm(a, w.t(), out_dtype=torch.float32, backend="emulated")
+    rel = ((kernel - emulated).norm() / emulated.norm()).item()
+    assert rel < KERNEL_VS_EMULATION_REL, f"{path} {shape}: relative difference {rel:.2e}"
+    assert bool(calls) == (path == "triton")
 
 
 @cuda
@@ -78,7 +101,7 @@ def test_cached_kernel_scales_give_the_same_output():
     """A synced FP8Linear hands the kernel its pre-laid-out scales; the numbers equal a fresh quantization's, and the
     cache follows an in-place weight update."""
     from jetrl.fp8 import kernel_weight_scale
-    from jetrl.linear import FP8InferenceLinear, FP8Linear, fp8_fprop
+    from jetrl.linear import FP8InferenceLinear, FP8Linear, fp8_fprop, quantize_weight
     torch.manual_seed(0)
     layer = FP8Linear(896, 640, recipe="blockwise", device="cuda", dtype=torch.bfloat16)      # K/128 = 7: padded to 8
     x = torch.randn(64, 896, device="cuda", dtype=torch.bfloat16)
@@ -90,8 +113,12 @@ def test_cached_kernel_scales_give_the_same_output():
         engine = FP8InferenceLinear(896, 640, True, "blockwise", device="cuda", bias_dtype=torch.bfloat16)
         engine.load_fp8_weight(synced, layer.bias)
         assert torch.equal(engine(x), fresh)
-        layer.weight.mul_(2); layer.sync_fp8_weight()
-        assert torch.equal(layer(x), fp8_fprop(x, layer.fp8_weight(), layer.bias, layer.recipe)[0])
+        data_address = synced.data.data_ptr()
+        layer.weight.mul_(1.37)                                                  # new FP8 codes, not only new scales
+        resynced, fresh = layer.sync_fp8_weight(), quantize_weight(layer.weight, layer.recipe)
+        assert resynced.data.data_ptr() == data_address                          # written in place
+        assert torch.equal(resynced.data.view(torch.uint8), fresh.data.view(torch.uint8)) and torch.equal(resynced.scale, fresh.scale)
+        assert torch.equal(layer(x), fp8_fprop(x, fresh, layer.bias, layer.recipe)[0])  # cached kernel scales refreshed too
 
 
 # ---- the rollout engine on CUDA: static cache, CUDA graphs, compiled step ----

@@ -397,3 +397,18 @@ def test_bad_recipes(kwargs, message):
 def test_quantize_weight_with_bf16_recipe():
     with pytest.raises(ValueError, match="Recipe 'bf16' does not quantize"): quantize_weight(torch.randn(8, 8), "bf16")
     with pytest.raises(ValueError, match="does not quantize"): FP8Linear(8, 8, recipe="bf16").fp8_weight()
+
+
+def test_inference_linear_kernel_scales_follow_a_state_dict_load():
+    "The kernel-layout scales are derived, not saved: a state-dict load must rebuild them (K/128 = 7 pads to 8)."
+    from jetrl.fp8 import kernel_weight_scale
+    from jetrl.linear import FP8InferenceLinear, quantize_weight
+    torch.manual_seed(0)
+    w_fp8 = quantize_weight(torch.randn(256, 896), "blockwise")
+    source = FP8InferenceLinear(896, 256, False, "blockwise")
+    source.load_fp8_weight(w_fp8)
+    target = FP8InferenceLinear(896, 256, False, "blockwise")
+    target.load_state_dict(source.state_dict())
+    assert "weight_scale_kernel" not in source.state_dict()
+    assert torch.equal(target.weight_scale_kernel, kernel_weight_scale(w_fp8)) and target.weight_scale_kernel.shape == (2, 8)
+    assert target.weight_scale_kernel.data_ptr() != target.weight_scale.data_ptr()

@@ -239,3 +239,23 @@ def test_stale_fp8_weights_are_never_used_outside_the_engine(tokenizer):
     with pytest.raises(RuntimeError):
         with assume_synced_fp8_weights(): raise RuntimeError("a failing step")
     assert layer.fp8_weight() is not synced                                     # the vouch ended with the block
+
+
+def test_sliding_window_models_use_the_dynamic_cache(tokenizer):
+    "Mistral's window lives in its config: the static forward (full attention) must refuse it, and accept no window."
+    from transformers import MistralConfig, MistralForCausalLM
+    def mistral(window):
+        torch.manual_seed(0)
+        return MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=2, vocab_size=len(tokenizer), sliding_window=window,
+                                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    windowed = mistral(4)
+    assert "sliding-window" in static_decode_unsupported(windowed)
+    assert RolloutEngine(windowed, tokenizer, chat_template=False).cache_implementation == "dynamic"
+    full = mistral(None)
+    assert static_decode_unsupported(full) is None
+    ours = RolloutEngine(full, tokenizer, chat_template=False).generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=8))
+    theirs = hf_greedy(full, tokenizer, PROMPTS, 8)
+    for i in range(len(PROMPTS)):
+        n = int(ours.completion_lengths[i])
+        assert ours.completion_ids[i, :n].tolist() == theirs[i, :n].tolist()
