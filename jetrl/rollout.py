@@ -10,7 +10,7 @@ __all__ = ['STATIC_MODEL_TYPES', 'CACHE_IMPLEMENTATIONS', 'STOP_WINDOW', 'Sampli
            'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights', 'RolloutEngine', 'micro_batches',
            'recompute_log_probs', 'strategy_mismatch_table']
 
-# %% ../nbs/05_rollout.ipynb #f7014f72
+# %% ../nbs/05_rollout.ipynb #46493305
 import time
 from dataclasses import dataclass, field
 import torch
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .linear import assume_synced_fp8_weights
 from .policy import Policy
 
-# %% ../nbs/05_rollout.ipynb #8d5b2deb
+# %% ../nbs/05_rollout.ipynb #47445124
 @dataclass(frozen=True)
 class SamplingParams:
     "How to sample: `n` completions per prompt, temperature, top-k / top-p, stops, length, seed."
@@ -44,7 +44,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
 
-# %% ../nbs/05_rollout.ipynb #43804e87
+# %% ../nbs/05_rollout.ipynb #384c6f65
 @dataclass
 class Rollout:
     "One batch of completions: the object handed from the rollout to the rest of the loop. Rows = prompts x n."
@@ -70,7 +70,7 @@ class Rollout:
 
     def __len__(self): return self.completion_ids.shape[0]
 
-# %% ../nbs/05_rollout.ipynb #8090664c
+# %% ../nbs/05_rollout.ipynb #d3594923
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
     scaled = logits.float() / params.temperature
@@ -93,7 +93,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-# %% ../nbs/05_rollout.ipynb #f7530ff9
+# %% ../nbs/05_rollout.ipynb #209acdc4
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     "Token ids of each prompt: strings through the chat template (if asked and present), or ids as given."
     ids = []
@@ -119,7 +119,7 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long); mask[i, width - len(r):] = 1
     return ids.to(device), mask.to(device)
 
-# %% ../nbs/05_rollout.ipynb #38166a25
+# %% ../nbs/05_rollout.ipynb #56801258
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -219,7 +219,7 @@ def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.lm_head(body.norm(h[:, -1:]))[:, -1]
 
-# %% ../nbs/05_rollout.ipynb #1685baa5
+# %% ../nbs/05_rollout.ipynb #bf606caf
 def _power_of_two_at_least(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
 
 class DynamicDecoder:
@@ -349,7 +349,7 @@ def refresh_fp8_weights(model: nn.Module) -> int:
     for m in stale: m.sync_fp8_weight()
     return len(stale)
 
-# %% ../nbs/05_rollout.ipynb #b7391307
+# %% ../nbs/05_rollout.ipynb #43823545
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
 STOP_WINDOW = 32    # stop strings are searched in the text of each row's last STOP_WINDOW tokens
 
@@ -487,7 +487,7 @@ class RolloutEngine:
             if alive and any(s in self.tokenizer.decode(recent[row], skip_special_tokens=True) for s in stops):
                 live[slot] = False; stopped.add(row)
 
-# %% ../nbs/05_rollout.ipynb #f8f166f7
+# %% ../nbs/05_rollout.ipynb #77482b25
 def micro_batches(rows: int, size: int) -> list[slice]:
     "Row slices of at most `size` rows (0: one slice of all rows)."
     size = size or rows
@@ -506,7 +506,7 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
     if not with_entropy: return logp
     return logp, torch.cat([p[1] for p in parts])[:, P - 1:]
 
-# %% ../nbs/05_rollout.ipynb #18bc12e2
+# %% ../nbs/05_rollout.ipynb #3d02bae0
 def strategy_mismatch_table(name_or_path: str, prompts: list[str], params: SamplingParams,
                             strategies=("bf16", "fp16", "jet", "fp8-rollout")) -> list[dict]:
     "Per strategy: mean and max |log p_train - log p_rollout| on the same completions (forward vs forward, engine vs trainer)."
