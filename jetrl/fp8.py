@@ -9,14 +9,14 @@ __all__ = ['FP8_DTYPES', 'Block', 'POW2_SCALE_LIMIT', 'KERNEL_BLOCK', 'KERNEL_RO
            'fp8_dtype', 'fp8_max', 'resolve_block', 'scale_shape', 'compute_scale', 'FP8Tensor', 'quantize_unchecked',
            'check_quantizable', 'quantize', 'sqnr', 'kernel_layout', 'has_fp8_kernel', 'kernel_weight_scale', 'fp8_mm']
 
-# %% ../nbs/00_fp8.ipynb #803a7ee1
+# %% ../nbs/00_fp8.ipynb #af6c51ea
 from typing import NamedTuple, Sequence
 import functools
 import math
 import torch
 import torch.nn.functional as F
 
-# %% ../nbs/00_fp8.ipynb #a8b82fa4
+# %% ../nbs/00_fp8.ipynb #ea730ffd
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 def fp8_dtype(fmt: str) -> torch.dtype:
@@ -29,7 +29,7 @@ def fp8_max(fmt: str) -> float:
     "The largest finite number of an FP8 format: 448 for E4M3, 57344 for E5M2."
     return torch.finfo(fp8_dtype(fmt)).max
 
-# %% ../nbs/00_fp8.ipynb #5eb1791f
+# %% ../nbs/00_fp8.ipynb #64df9b37
 Block = Sequence[int] | None
 
 def resolve_block(shape: Sequence[int], block: Block) -> tuple[int, ...]:
@@ -53,7 +53,7 @@ def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     "Shape of the scale tensor: one scale per block, the last block of a dimension may be partial."
     return tuple(math.ceil(dim / size) for dim, size in zip(shape, block))
 
-# %% ../nbs/00_fp8.ipynb #04e27a46
+# %% ../nbs/00_fp8.ipynb #827dbfb8
 def _blocked_view(x32: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     "Pad `x32` to whole blocks and view it as (n0, b0, n1, b1, ...)."
     padding = []
@@ -76,7 +76,7 @@ def compute_scale(amax: torch.Tensor, fmt: str = "e4m3", pow2_scale: bool = Fals
     scale = torch.where(amax > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), torch.ones_like(scale))
     return scale
 
-# %% ../nbs/00_fp8.ipynb #bdfc9e49
+# %% ../nbs/00_fp8.ipynb #1878f28a
 class FP8Tensor(NamedTuple):
     "A quantized tensor: `dequantize() == data.float() * scale` broadcast over each block."
     data: torch.Tensor          # float8, the original shape
@@ -104,7 +104,7 @@ class FP8Tensor(NamedTuple):
     def __repr__(self):
         return f"FP8Tensor(shape={tuple(self.shape)}, fmt={self.fmt!r}, block={self.block}, scales={tuple(self.scale.shape)})"
 
-# %% ../nbs/00_fp8.ipynb #5d04a1da
+# %% ../nbs/00_fp8.ipynb #3c6a60b6
 def quantize_unchecked(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = False) -> FP8Tensor:
     "The quantizer without input checks: the hot path of the FP8 linear layer (compiles to one kernel)."
     block = resolve_block(x.shape, block)
@@ -115,7 +115,7 @@ def quantize_unchecked(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_sc
     data = _crop(data.reshape([n * b for n, b in zip(scale.shape[::2], block)]), x.shape)
     return FP8Tensor(data, scale.reshape(scale.shape[::2]), block, fmt)
 
-# %% ../nbs/00_fp8.ipynb #184fbc8f
+# %% ../nbs/00_fp8.ipynb #a32ddd03
 def check_quantizable(x: torch.Tensor, name: str = "input"):
     "Raise a clear error if `x` cannot be quantized: wrong dtype, or NaN/Inf values (how many, where)."
     if not isinstance(x, torch.Tensor):
@@ -144,16 +144,16 @@ def quantize(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool 
                          "dequantized value can round up past the fp32 maximum; use pow2_scale=False or rescale the input.")
     return quantize_unchecked(x, block, fmt, pow2_scale)
 
-# %% ../nbs/00_fp8.ipynb #cbda83e4
+# %% ../nbs/00_fp8.ipynb #fc993855
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     "Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|); inf if equal."
     reference, approx = reference.detach().double(), approx.detach().double()
     noise = (reference - approx).norm()
     return float("inf") if noise == 0 else float(20 * torch.log10(reference.norm() / noise))
 
-# %% ../nbs/00_fp8.ipynb #fb912970
+# %% ../nbs/00_fp8.ipynb #44b76475
 KERNEL_BLOCK = 128  # the block edge of Hopper's blockwise FP8 GEMM
-KERNEL_ROW_ALIGN = 16  # blockwise: rows of `a` are padded to a multiple of this (its column-major scales stay 16-byte aligned)
+KERNEL_ROW_ALIGN = 16  # blockwise via cuBLAS: rows of `a` padded to a multiple of this, not of 128 (checked on an H200)
 
 def _is_whole(t: FP8Tensor) -> bool: return t.scale.numel() == 1
 
@@ -177,7 +177,7 @@ def has_fp8_kernel(device: torch.device, layout: str | None) -> bool:
     capability = _CAPABILITY[index]
     return capability >= (9, 0) if layout.startswith("blockwise") else capability >= (8, 9)
 
-# %% ../nbs/00_fp8.ipynb #42a839cf
+# %% ../nbs/00_fp8.ipynb #ebf0efd8
 SMALL_M_MAX = 64  # blockwise 1x128 x 128x128 GEMMs with at most this many rows run jetrl's Triton kernel
 
 @functools.cache
@@ -217,7 +217,7 @@ def _small_m_gemm(a_data, a_scale, bt_data, bt_scale, out_dtype: torch.dtype) ->
     out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
     block_m = max(16, min(64, 1 << (M - 1).bit_length()))                      # tl.dot wants at least 16 rows
     # enough column strips to fill the GPU: 64 wide when there are two per SM, else 32
-    block_n = 64 if N >= 2 * 64 * _sm_count(a_data.device.index or 0) else 32
+    block_n = 64 if N >= 2 * 64 * _sm_count(a_data.device.index) else 32
     grid = (math.ceil(M / block_m), math.ceil(N / block_n))
     _small_m_kernel()[grid](a_data, a_scale, bt_data, bt_scale, out, M, N, K, a_data.stride(0), a_scale.stride(0),
                             bt_data.stride(0), bt_scale.stride(0), out.stride(0),
@@ -237,7 +237,7 @@ def _has_triton() -> bool:
     import importlib.util
     return importlib.util.find_spec("triton") is not None
 
-# %% ../nbs/00_fp8.ipynb #aa974f7d
+# %% ../nbs/00_fp8.ipynb #4e3cf98b
 def _round_up(n: int, multiple: int) -> int: return math.ceil(n / multiple) * multiple
 
 def _pad_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -297,7 +297,7 @@ def kernel_weight_scale(w_fp8: FP8Tensor) -> torch.Tensor | None:
 def _(a_data, a_scale, bt_data, bt_scale, layout, out_dtype):
     return a_data.new_empty((a_data.shape[0], bt_data.shape[0]), dtype=out_dtype)
 
-# %% ../nbs/00_fp8.ipynb #e95968e8
+# %% ../nbs/00_fp8.ipynb #6575d955
 def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32, backend: str = "auto",
            b_kernel_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`a @ b` for quantized `a` (M, K) and `b` (K, N), accumulated in fp32, returned as `out_dtype`.
