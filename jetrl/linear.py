@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
-                       KERNEL_BLOCK)
+                       KERNEL_BLOCK, has_fp8_kernel)
+from .kernels import quantize_1x128, fp8_gemm_invariant, invariant_kernels_available
 
 # %% ../nbs/01_linear.ipynb #7acb8cdc
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -90,14 +91,24 @@ def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, trans
     t_fp8 = quantize_unchecked(t.t(), block[::-1], fmt, recipe.pow2_scale)
     return t_fp8._replace(data=t_fp8.data.contiguous(), scale=t_fp8.scale.contiguous()).t()
 
+def _runs_invariant_fprop(x2d: torch.Tensor, w_fp8: FP8Tensor, recipe: FP8Recipe) -> bool:
+    "Blockwise 1x128 x 128x128 on a Hopper GPU with Triton: Fprop runs `jetrl.kernels` (a row's bits independent of M)."
+    return (recipe.block("x", "fprop") == (1, KERNEL_BLOCK) and w_fp8.block == (KERNEL_BLOCK, KERNEL_BLOCK)
+            and not recipe.pow2_scale and has_fp8_kernel(x2d.device, "blockwise_1x128_128x128")
+            and invariant_kernels_available(x2d.device))
+
 def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
               w_kernel_scale: torch.Tensor | None = None):
     """The FP8 forward GEMM, `x @ W.T + b`, for x (..., K) and an FP8 weight (N, K). Returns (y, x_fp8).
     Training and rollout both call this one function: that is what makes Jet-RL's two sides one graph.
     `w_kernel_scale` (`kernel_weight_scale(w_fp8)`, cached with a synced weight) only saves the kernel a re-layout."""
     x2d = x.reshape(-1, x.shape[-1])                                       # (M, K)
-    x_fp8 = _quantize(x2d, recipe, "x", "fprop")
-    y2d = fp8_mm(x_fp8, w_fp8.t(), out_dtype=x.dtype, b_kernel_scale=w_kernel_scale)   # (M, N), fp32 accumulation
+    if _runs_invariant_fprop(x2d, w_fp8, recipe):                          # GPU: jetrl's batch-invariant kernels
+        x_fp8 = quantize_1x128(x2d, recipe.act_fmt)
+        y2d = fp8_gemm_invariant(x_fp8, w_fp8, x.dtype, w_kernel_scale)
+    else:
+        x_fp8 = _quantize(x2d, recipe, "x", "fprop")
+        y2d = fp8_mm(x_fp8, w_fp8.t(), out_dtype=x.dtype, b_kernel_scale=w_kernel_scale)   # (M, N), fp32 accumulation
     if bias is not None: y2d = y2d + bias.to(y2d.dtype)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1]), x_fp8
 

@@ -6,7 +6,7 @@ Docs: https://jetrl.github.io/jetrl/rollout.html.md"""
 
 # %% auto #0
 __all__ = ['STATIC_MODEL_TYPES', 'CACHE_IMPLEMENTATIONS', 'CAPACITY_BLOCK', 'STOP_WINDOW', 'SamplingParams', 'Rollout',
-           'sample_next', 'static_decode_unsupported', 'StaticKVCache', 'attention_mask', 'decoder_forward',
+           'sample_next', 'static_decode_unsupported', 'StaticKVCache', 'decoder_forward', 'sequence_forward',
            'DynamicDecoder', 'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights', 'RolloutEngine',
            'micro_batches', 'recompute_log_probs', 'strategy_mismatch_table']
 
@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .linear import assume_synced_fp8_weights
+from .kernels import attend
 from .policy import Policy
 
 # %% ../nbs/05_rollout.ipynb #5a7cd8f1
@@ -182,40 +183,57 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
 
-def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
-                     columns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    "h (b, T, hidden) -> attention output; writes this step's keys/values into `columns` of the cache first."
+def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.Tensor, key_valid: torch.Tensor,
+                     cache_kv: tuple | None, invariant: bool) -> torch.Tensor:
+    """h (b, T, hidden) at key `columns` (T,) -> attention output. With `cache_kv` (keys, values) this step's keys and
+    values are written into those columns of the cache first and the queries attend over the cache; without, over
+    this call's own keys (the trainer's full sequence)."""
     b, T, _ = h.shape
     heads_shape = (b, T, -1, attn.head_dim)
     q, k, v = attn.q_proj(h).view(heads_shape), attn.k_proj(h).view(heads_shape), attn.v_proj(h).view(heads_shape)
     if hasattr(attn, "q_norm"): q, k = attn.q_norm(q), attn.k_norm(k)                # Qwen3: per-head RMSNorm
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                 # (b, heads, T, d)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                         enable_gqa=keys.shape[1] != q.shape[1])
+    if cache_kv is not None:
+        keys, values = cache_kv
+        keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))
+        k, v = keys, values
+    out = attend(q, k, v, columns, key_valid, attn.scaling, invariant)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
-def attention_mask(valid: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    "(b, 1, T, capacity) bool: query t sees the valid columns up to its own, and always its own column."
-    keys = torch.arange(valid.shape[1], device=valid.device)
-    causal, own = keys[None] <= columns[:, None], keys[None] == columns[:, None]          # (T, capacity)
-    return (valid[:, None, None, :] & causal) | own
+def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, key_valid: torch.Tensor,
+            cache: "StaticKVCache | None" = None, upto: int | None = None) -> torch.Tensor:
+    "The decoder layers over h (b, T, hidden): the one body of the rollout's step and the trainer's forward."
+    body, b = model.model, h.shape[0]
+    cos, sin = body.rotary_emb(h, positions)
+    invariant = getattr(model, "jetrl_exact", False)
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    checkpointing = torch.is_grad_enabled() and getattr(model, flag, False)       # model.gradient_checkpointing_enable()
+    for i, layer in enumerate(body.layers):
+        kv = None if cache is None else (cache.keys[i][:b, :, :upto], cache.values[i][:b, :, :upto])
+        def block(h, layer=layer, kv=kv):
+            h = h + _attention_block(layer.self_attn, layer.input_layernorm(h), cos, sin, columns, key_valid, kv, invariant)
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if checkpointing else block(h)
+    return h
 
 def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                     columns: torch.Tensor, upto: int | None = None) -> torch.Tensor:
     """Run ids (b, T) at `positions` (b, T), writing their keys/values into cache `columns` (T,) of rows 0..b-1;
     attend over the first `upto` columns (all by default). Returns the logits of the last position, (b, vocab)."""
-    body, b = model.model, ids.shape[0]
-    upto = upto or cache.capacity
-    h = body.embed_tokens(ids)
-    cos, sin = body.rotary_emb(h, positions)
-    mask = attention_mask(cache.valid[:b, :upto], columns)
-    for layer, keys, values in zip(body.layers, cache.keys, cache.values):
-        h = h + _attention_block(layer.self_attn, layer.input_layernorm(h), cos, sin, keys[:b, :, :upto], values[:b, :, :upto],
-                                 columns, mask)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.lm_head(body.norm(h[:, -1:]))[:, -1]
+    b, upto = ids.shape[0], upto or cache.capacity
+    h = _layers(model, model.model.embed_tokens(ids), positions, columns, cache.valid[:b, :upto], cache, upto)
+    return model.lm_head(model.model.norm(h[:, -1:]))[:, -1]
+
+def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The trainer's forward of whole sequences (b, T) through the same layers as the rollout's step: the hidden
+    states after the final norm, (b, T, hidden) (the caller applies lm_head, in chunks). Token t sits at key column
+    t, as in the engine's cache, so a token sees the same keys on both sides."""
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    h = _layers(model, model.model.embed_tokens(input_ids), positions, columns, attention_mask.bool())
+    return model.model.norm(h)
+
 
 # %% ../nbs/05_rollout.ipynb #d3c3ad57
 def _power_of_two_at_least(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
@@ -369,6 +387,9 @@ class RolloutEngine:
         if cache_implementation == "static" and why_not:
             raise ValueError(f"cache_implementation='static' cannot run this model: {why_not}. Use 'dynamic' (or 'auto').")
         self.cache_implementation = "dynamic" if cache_implementation == "dynamic" or why_not else "static"
+        if compile and getattr(self.model, "jetrl_exact", False):
+            raise ValueError("compile=True fuses the step's kernels differently from the trainer's forward, so an exact policy "
+                             "(Policy(..., exact=True)) would no longer match its trainer bit for bit: use compile=False.")
         self.cuda_graphs, self.compile = cuda_graphs, compile
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.eos_ids = self._eos_ids()
@@ -491,10 +512,11 @@ def micro_batches(rows: int, size: int) -> list[slice]:
     size = size or rows
     return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
 
+@torch.no_grad()
 def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float = 1.0, micro_batch_size: int = 0,
                         with_entropy: bool = False):
     """The trainer's view: log-probs of the rollout's completion tokens, recomputed by full forwards (in micro-batches
-    of `micro_batch_size` rows): (B, C), 0 where masked; with `with_entropy`, also each position's entropy (B, C)."""
+    of `micro_batch_size` rows), no grad: (B, C), 0 where masked; with `with_entropy`, also each position's entropy (B, C)."""
     from jetrl.policy import token_log_probs
     P, parts = rollout.prompt_ids.shape[1], []
     for rows in micro_batches(len(rollout), micro_batch_size):

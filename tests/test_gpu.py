@@ -22,12 +22,9 @@ LAYOUTS = [(None, None), ((1, -1), (1, -1)), ((1, 128), (128, 128)), ((1, 128), 
 @pytest.mark.parametrize("shape", [(256, 512, 384), (200, 896, 4864), (64, 4096, 11008), (4096, 576, 1536),
                                    (1, 896, 4864), (17, 256, 384), (48, 4864, 896)])       # decode-sized M too
 @pytest.mark.parametrize("blocks", LAYOUTS)
-def test_kernel_matches_emulation(shape, blocks, monkeypatch):
-    import jetrl.fp8
+def test_kernel_matches_emulation(shape, blocks):
     M, K, N = shape
     torch.manual_seed(0)
-    small_m_calls, real_small_m_gemm = [], jetrl.fp8._small_m_gemm
-    monkeypatch.setattr(jetrl.fp8, "_small_m_gemm", lambda *args: small_m_calls.append(1) or real_small_m_gemm(*args))
     a32, b32 = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
     a, b = quantize(a32, blocks[0]), quantize(b32, blocks[1]).t()
     assert has_fp8_kernel(a.data.device, kernel_layout(a, b))
@@ -37,28 +34,51 @@ def test_kernel_matches_emulation(shape, blocks, monkeypatch):
         rel = ((kernel - emulated).norm() / emulated.norm()).item()
         tol = KERNEL_VS_EMULATION_REL if out_dtype == torch.float32 else 1e-2  # bf16 output rounding: 2^-9
         assert rel < tol, f"{kernel_layout(a, b)} {shape} {out_dtype}: relative difference {rel:.2e}"
-    decode_sized = kernel_layout(a, b) == "blockwise_1x128_128x128" and M <= jetrl.fp8.SMALL_M_MAX
-    assert bool(small_m_calls) == decode_sized, jetrl.fp8.SMALL_M_FAILURE       # the Triton kernel ran exactly there
+
+
+# ---- jetrl.kernels: the batch-invariant kernels against the emulation, and against themselves at other M ----
+
+@cuda
+@pytest.mark.parametrize("K, N", [(896, 4864), (4864, 896), (200, 300), (18944, 384)])   # 1 to 19 splits, partial blocks
+def test_invariant_fp8_gemm_matches_emulation_and_is_batch_invariant(K, N):
+    from jetrl.kernels import fp8_gemm_invariant, quantize_1x128, DECODE_MAX_ROWS
+    from jetrl.fp8 import FP8Tensor, kernel_weight_scale
+    torch.manual_seed(0)
+    x = torch.randn(1024, K, device="cuda", dtype=torch.bfloat16)
+    w = quantize(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
+    x_fp8 = quantize_1x128(x)
+    reference = quantize_unchecked(x, (1, 128))
+    assert torch.equal(x_fp8.data.view(torch.uint8), reference.data.view(torch.uint8)) and torch.equal(x_fp8.scale, reference.scale)
+    full = fp8_gemm_invariant(x_fp8, w, torch.bfloat16, kernel_weight_scale(w))               # many-row kernel
+    emulated = fp8_mm(x_fp8, w.t(), torch.float32, backend="emulated")
+    assert ((full.float() - emulated).norm() / emulated.norm()).item() < 1e-2
+    for M in (1, 5, 16, 64, 100, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 700):                 # split-K and many-row paths
+        part = FP8Tensor(x_fp8.data[:M], x_fp8.scale[:M], x_fp8.block, x_fp8.fmt)
+        assert torch.equal(fp8_gemm_invariant(part, w, torch.bfloat16), full[:M]), f"rows {M}: other bits than at 1024 rows"
 
 
 @cuda
-@pytest.mark.parametrize("shape", [(5, 200, 300), (33, 640, 200), (64, 896, 4864)])    # partial K and N blocks too
-@pytest.mark.parametrize("path", ["triton", "cublas"])
-def test_decode_sized_blockwise_paths_match_emulation(shape, path, monkeypatch):
-    "Both kernels for few rows (Triton, and cuBLAS with rows padded to 16) against the emulation, scales pre-laid out."
-    import jetrl.fp8
-    from jetrl.fp8 import kernel_weight_scale
-    M, K, N = shape
-    monkeypatch.setattr(jetrl.fp8, "SMALL_M_MAX", 64 if path == "triton" else 0)
-    calls, real = [], jetrl.fp8._small_m_gemm
-    monkeypatch.setattr(jetrl.fp8, "_small_m_gemm", lambda *args: calls.append(1) or real(*args))
+def test_invariant_matmul_norm_attention_are_batch_invariant():
+    from jetrl.kernels import matmul_invariant, rms_norm_invariant, attention_invariant
     torch.manual_seed(0)
-    a, w = quantize(torch.randn(M, K, device="cuda"), (1, 128)), quantize(torch.randn(N, K, device="cuda"), (128, 128))
-    kernel = fp8_mm(a, w.t(), out_dtype=torch.float32, backend="kernel", b_kernel_scale=kernel_weight_scale(w))
-    emulated = fp8_mm(a, w.t(), out_dtype=torch.float32, backend="emulated")
-    rel = ((kernel - emulated).norm() / emulated.norm()).item()
-    assert rel < KERNEL_VS_EMULATION_REL, f"{path} {shape}: relative difference {rel:.2e}"
-    assert bool(calls) == (path == "triton")
+    x, w = torch.randn(2000, 896, device="cuda", dtype=torch.bfloat16), torch.randn(4000, 896, device="cuda", dtype=torch.bfloat16)
+    full = matmul_invariant(x, w)
+    assert ((full.float() - x.float() @ w.float().t()).norm() / full.float().norm()).item() < 1e-2
+    for M in (1, 7, 64, 300):
+        assert torch.equal(matmul_invariant(x[:M], w), full[:M]), M
+    norm_weight = torch.rand(896, device="cuda", dtype=torch.bfloat16)
+    normed = rms_norm_invariant(x, norm_weight, 1e-6)
+    reference = norm_weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    assert (normed.float() - reference.float()).abs().max() < 2e-2
+    assert torch.equal(rms_norm_invariant(x[:3], norm_weight, 1e-6), normed[:3])
+    b, T = 4, 300                                                                # trainer: causal pass; engine: one query
+    q = torch.randn(b, 14, T, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(b, 2, T, 64, device="cuda", dtype=torch.bfloat16), torch.randn(b, 2, T, 64, device="cuda", dtype=torch.bfloat16)
+    valid = torch.ones(b, T, dtype=torch.bool, device="cuda"); valid[1, :37] = False; valid[2, 250:] = False
+    full = attention_invariant(q, k, v, torch.arange(T, device="cuda"), valid, 0.125)
+    for col in (0, 63, 64, 200, 299):
+        one = attention_invariant(q[:, :, col:col + 1], k, v, torch.tensor([col], device="cuda"), valid, 0.125)
+        assert torch.equal(one, full[:, :, col:col + 1]), col
 
 
 @cuda
@@ -204,15 +224,68 @@ def test_compiled_graphed_step_matches_eager(strategy):
     assert (eager.logprobs - compiled.logprobs).abs().max() < 1e-3
 
 
+def _gaps(policy, prompts, params, **engine_kwargs):
+    from jetrl.rollout import RolloutEngine, recompute_log_probs
+    engine = RolloutEngine(policy, chat_template=False, **engine_kwargs)
+    rollout = engine.generate(prompts, params)
+    gap = (recompute_log_probs(policy.model, rollout) - rollout.logprobs).abs()[rollout.completion_mask.bool()]
+    return gap, rollout, engine
+
+
+# The default (fast) path: jet's gap may exceed BF16's by at most this factor (the issue's target); before the
+# batch-invariant Fprop it was 4x at the 0.5B shape and ~200x on this small model.
+JET_OVER_BF16_GAP = 1.5
+
+
 @cuda
 def test_cuda_rollout_vs_trainer_gap_per_strategy(capsys):
-    "The engine (graphs, bf16 high precision) against the trainer's recomputation: jet closer than fp8-rollout."
-    from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs
+    "Default kernels, CUDA graphs, bf16 high precision: jet's gap within 1.5x BF16's, fp8-rollout's far above both."
+    from jetrl.rollout import SamplingParams
     gaps = {}
     for strategy in ["bf16", "jet", "fp8-rollout"]:
-        policy = _cuda_policy(strategy, layers=4)
-        r = RolloutEngine(policy, chat_template=False).generate(_ragged_prompts(), SamplingParams(n=4, max_new_tokens=32, seed=0))
-        with torch.no_grad(): gap = (recompute_log_probs(policy.model, r) - r.logprobs).abs()[r.completion_mask.bool()]
+        gap, _, _ = _gaps(_cuda_policy(strategy, layers=4), _ragged_prompts(), SamplingParams(n=4, max_new_tokens=64, seed=0))
         gaps[strategy] = float(gap.mean())
     with capsys.disabled(): print("\nmean |log p_train - log p_rollout| on CUDA, bf16 high precision:", gaps)
-    assert gaps["jet"] < gaps["fp8-rollout"]
+    assert gaps["jet"] <= JET_OVER_BF16_GAP * max(gaps["bf16"], 1e-6), gaps
+    assert gaps["fp8-rollout"] > 10 * gaps["jet"], gaps
+
+
+def _qwen2_05b_policy(strategy, exact, layers=24):
+    "The Qwen2-0.5B shape (random weights), `layers` decoder layers, EOS made likely so that rows finish at different steps."
+    import sys
+    sys.path.insert(0, "benchmarks")
+    from rollout import build
+    from jetrl.policy import Policy
+    model, tokenizer = build("qwen2-0.5b", torch.bfloat16)
+    model.model.layers = model.model.layers[:layers]
+    with torch.no_grad(): model.lm_head.weight[0] *= 3                       # EOS (id 0) likely: widths shrink as rows end
+    return Policy(model, tokenizer, strategy, device="cuda", exact=exact)
+
+
+@cuda
+@pytest.mark.parametrize("strategy", ["bf16", "jet"])
+def test_exact_mode_engine_equals_trainer_bitwise(strategy, capsys):
+    """Exact mode at a realistic depth and length: 24 layers of the 0.5B shape, up to 256 tokens, ragged prompts,
+    rows finishing at different steps (several graph widths), CUDA graphs on: every log-prob equal."""
+    from jetrl.rollout import SamplingParams
+    policy = _qwen2_05b_policy(strategy, exact=True)
+    gap, rollout, engine = _gaps(policy, _ragged_prompts(16), SamplingParams(n=4, max_new_tokens=256, seed=0))
+    with capsys.disabled():
+        print(f"\n{strategy} exact: {gap.numel()} tokens, max gap {float(gap.max()):.1e}, widths {sorted(engine._static.graphs)}, "
+              f"lengths {rollout.completion_lengths.min().item()}-{rollout.completion_lengths.max().item()}")
+    assert len(engine._static.graphs) >= 2 and rollout.completion_lengths.max() >= 64
+    assert float(gap.max()) == 0.0, f"{(gap > 0).float().mean():.1%} of tokens differ, max {float(gap.max()):.2e}"
+
+
+@cuda
+def test_exact_trainer_micro_batch_of_one_row_equals_64_rows():
+    "The trainer's log-probs of a row are the same bits whether it runs alone or with 63 others."
+    from jetrl.policy import token_log_probs
+    policy = _qwen2_05b_policy("jet", exact=True, layers=4)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 1000, (64, 200), device="cuda")
+    mask = torch.ones_like(ids); mask[5, :17] = 0
+    with torch.no_grad():
+        together = token_log_probs(policy.model, ids, mask)
+        for row in (0, 5, 63):
+            assert torch.equal(token_log_probs(policy.model, ids[row:row + 1], mask[row:row + 1]), together[row:row + 1]), row

@@ -1,0 +1,114 @@
+"""The GRPO step on a GPU, per precision strategy and kernel mode, side by side in one run: jetrl's headline benchmark.
+
+    python benchmarks/grpo_step.py --model qwen2-0.5b --prompts 32 --samples 8 --prompt-len 128 --new-tokens 512 \
+        --micro-batch 16 --out benchmarks/results/grpo_step_h200.jsonl
+    python benchmarks/grpo_step.py --model qwen2-7b --prompts 16 --samples 8 --prompt-len 128 --new-tokens 512 \
+        --micro-batch 4 --checkpointing --out benchmarks/results/grpo_step_h200.jsonl
+
+One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
+  rollout:  the engine generates samples x new-tokens per prompt (EOS ignored: every row generates the same tokens)
+  old_logp: the trainer's log-probs of the same tokens (no grad), in micro-batches
+  train:    forward + backward of the GRPO loss in micro-batches (random group advantages: the model has no task),
+            then AdamW
+  sync:     the rollout side brought up to date (FP8 weights re-quantized)
+plus tokens/s, peak GPU memory and the engine-vs-trainer gap of the same step (mean |log p_train - log p_rollout|).
+Every (strategy, mode) runs a warm-up step first (CUDA-graph capture), then `--steps` timed steps on the same model
+shape, rebuilt from the same seed. Modes: fast (default kernels) and exact (Policy(exact=True): batch-invariant
+kernels everywhere, bitwise engine == trainer).
+"""
+import argparse, json, sys, time
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from rollout import build                                          # benchmarks/rollout.py: the random model shapes
+from jetrl.grpo import GRPOConfig, group_advantages, grpo_loss
+from jetrl.policy import Policy, token_log_probs
+from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs, micro_batches
+
+
+def timed(device):
+    if device.type == "cuda": torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator) -> dict:
+    "One GRPO step; returns its phase times and its engine-vs-trainer gap."
+    device, config = policy.device, GRPOConfig(num_generations=params.n)
+    t0 = timed(device)
+    rollout = engine.generate(prompts, params)                                                   # rollout
+    t1 = timed(device)
+    old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch)          # trainer log-probs
+    t2 = timed(device)
+    rewards = torch.randn(len(rollout), generator=generator)
+    advantages, _ = group_advantages(rewards, rollout.group.cpu(), "group")
+    advantages, P, tokens = advantages.to(device), rollout.prompt_ids.shape[1], float(rollout.completion_mask.sum())
+    optimizer.zero_grad(set_to_none=True)
+    for rows in micro_batches(len(rollout), micro_batch):                                       # loss, backward
+        logp = token_log_probs(policy.model, rollout.input_ids[rows], rollout.attention_mask[rows])[:, P - 1:]
+        loss, _ = grpo_loss(logp, old_logp[rows], rollout.logprobs[rows], advantages[rows], rollout.completion_mask[rows],
+                            config, loss_normalizer=tokens)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+    optimizer.step()
+    t3 = timed(device)
+    sync = policy.sync_weights()                                                                 # sync
+    t4 = timed(device)
+    mask = rollout.completion_mask.bool()
+    gap = (old_logp - rollout.logprobs).abs()[mask]
+    return dict(rollout_s=t1 - t0, old_logp_s=t2 - t1, train_s=t3 - t2, sync_s=t4 - t3, step_s=t4 - t0,
+                tokens=int(mask.sum()), logp_abs_diff_mean=float(gap.mean()), logp_abs_diff_max=float(gap.max()),
+                exact_fraction=float((gap == 0).float().mean()), sync_bytes=sync.bytes)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2-0.5b")
+    p.add_argument("--strategies", default="bf16,fp8-rollout,jet")
+    p.add_argument("--modes", default="fast", help="comma-separated: fast, exact")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (0: all)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per decoder layer")
+    p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    command = "python benchmarks/grpo_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    params = SamplingParams(n=args.samples, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
+    for mode in args.modes.split(","):
+        for strategy in args.strategies.split(","):
+            model, tokenizer = build(args.model, torch.bfloat16)
+            if args.layers: model.model.layers = model.model.layers[:args.layers]; model.config.num_hidden_layers = args.layers
+            if args.checkpointing: model.gradient_checkpointing_enable()
+            model.train()
+            policy = Policy(model, tokenizer, strategy, device=device, exact=mode == "exact")
+            engine = RolloutEngine(policy, chat_template=False)
+            optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr)
+            prompts = torch.randint(10, model.config.vocab_size, (args.prompts, args.prompt_len),
+                                    generator=torch.Generator().manual_seed(1)).tolist()
+            generator = torch.Generator().manual_seed(2)
+            warmup = grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator)
+            torch.cuda.reset_peak_memory_stats(device)
+            steps = [grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator) for _ in range(args.steps)]
+            row = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+            row |= dict(model=args.model, layers=model.config.num_hidden_layers, strategy=strategy, mode=mode,
+                        prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                        micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
+                        tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
+                        warmup_step_s=warmup["step_s"],
+                        peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30, gpu=torch.cuda.get_device_name(device),
+                        torch=torch.__version__, command=command)
+            row = {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+            del policy, engine, optimizer, model
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
