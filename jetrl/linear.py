@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
                        KERNEL_BLOCK, has_fp8_kernel)
-from .kernels import quantize_1x128, fp8_gemm_invariant, invariant_kernels_available
+from .kernels import quantize_1x128, fp8_gemm_invariant, invariant_kernels_available, linear_invariant
 
 # %% ../nbs/01_linear.ipynb #7acb8cdc
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -85,11 +85,14 @@ def _quantize(t: torch.Tensor, recipe: FP8Recipe, operand: str, gemm: str, trans
     "Quantize operand `t` ((M, K), (N, K) or (M, N)) per `recipe`; optionally stored transposed in memory."
     fmt = {"x": recipe.act_fmt, "w": recipe.weight_fmt, "dy": recipe.grad_fmt}[operand]
     block = recipe.block(operand, gemm)
-    if not transposed_layout: return quantize_unchecked(t, block, fmt, recipe.pow2_scale)
-    # quantizing the view t.T keeps t's memory order: write the bytes transposed (fused into the quantizer
-    # by torch.compile), else the GEMM would have to copy them
-    t_fp8 = quantize_unchecked(t.t(), block[::-1], fmt, recipe.pow2_scale)
-    return t_fp8._replace(data=t_fp8.data.contiguous(), scale=t_fp8.scale.contiguous()).t()
+    # transposed: quantize the view t.T and write its bytes contiguous (t.T's memory order), else the GEMM would copy them
+    if transposed_layout: t, block = t.t(), block[::-1]
+    if block == (1, KERNEL_BLOCK) and not recipe.pow2_scale and invariant_kernels_available(t.device) and t.is_cuda:
+        t_fp8 = quantize_1x128(t, fmt)                                  # GPU: one Triton pass, strided reads allowed
+    else:
+        t_fp8 = quantize_unchecked(t, block, fmt, recipe.pow2_scale)
+        if transposed_layout: t_fp8 = t_fp8._replace(data=t_fp8.data.contiguous(), scale=t_fp8.scale.contiguous())
+    return t_fp8.t() if transposed_layout else t_fp8
 
 def _runs_invariant_fprop(x2d: torch.Tensor, w_fp8: FP8Tensor, recipe: FP8Recipe) -> bool:
     "Blockwise 1x128 x 128x128 on a Hopper GPU with Triton: Fprop runs `jetrl.kernels` (a row's bits independent of M)."
@@ -116,11 +119,17 @@ class FP8LinearFunction(torch.autograd.Function):
     "y = x @ W.T + b with Fprop, Dgrad and Wgrad quantized per an FP8Recipe; x is saved in FP8."
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, hp_weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe):
+    def forward(ctx, x: torch.Tensor, hp_weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
+                w_fp8: FP8Tensor | None = None, w_kernel_scale: torch.Tensor | None = None):
+        # w_fp8: `quantize_weight(hp_weight, recipe)` if the caller holds it already (FP8Linear's cache): same bytes
+        ctx.w_fp8 = None
         if recipe.is_fp8("fprop"):
-            y, x_fp8 = fp8_fprop(x, quantize_weight(hp_weight, recipe), bias, recipe)
+            w_fp8 = w_fp8 if w_fp8 is not None else quantize_weight(hp_weight, recipe)
+            y, x_fp8 = fp8_fprop(x, w_fp8, bias, recipe, w_kernel_scale)
             ctx.save_for_backward(x_fp8.data, x_fp8.scale, hp_weight)
             ctx.x_block, ctx.x_fmt = x_fp8.block, x_fp8.fmt
+            # Dgrad's weight blocks are Fprop's, transposed: reuse the quantized weight (blockwise and tensorwise)
+            if recipe.block("w", "dgrad") == recipe.block("w", "fprop") and recipe.granularity != "rowwise": ctx.w_fp8 = w_fp8
         else:
             x2d = x.reshape(-1, x.shape[-1])                               # (M, K)
             y = F.linear(x2d, hp_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
@@ -139,8 +148,8 @@ class FP8LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if recipe.is_fp8("dgrad"):
-                dx = fp8_mm(_quantize(dy2d, recipe, "dy", "dgrad"), _quantize(hp_weight, recipe, "w", "dgrad", True),
-                            out_dtype=dy.dtype)
+                w_fp8 = ctx.w_fp8 if ctx.w_fp8 is not None else _quantize(hp_weight, recipe, "w", "dgrad", True)
+                dx = fp8_mm(_quantize(dy2d, recipe, "dy", "dgrad"), w_fp8, out_dtype=dy.dtype)
             else:
                 dx = dy2d @ hp_weight.to(dy.dtype)
             dx = dx.reshape(ctx.x_shape)
@@ -151,7 +160,8 @@ class FP8LinearFunction(torch.autograd.Function):
             else:
                 dw = (dy2d.float().t() @ x2d.float()).to(hp_weight.dtype)
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, dbias, None
+        ctx.w_fp8 = None
+        return dx, dw, dbias, None, None, None
 
 # %% ../nbs/01_linear.ipynb #4efe4e55
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
@@ -200,6 +210,7 @@ class FP8Linear(nn.Linear):
         return new
 
     _synced: tuple | None = None   # (weight version, recipe, FP8 weight, its kernel-layout scales) of the last sync
+    row_invariant_hp = False       # a non-quantizing recipe runs the row-invariant matmul (`use_invariant_kernels`)
 
     def _synced_weight(self) -> tuple | None:
         "(FP8 weight, kernel-layout scales) from the last sync, if the master weight and recipe have not changed since."
@@ -226,11 +237,18 @@ class FP8Linear(nn.Linear):
         return fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.recipe.quantizes: return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if not self.recipe.quantizes:
+            if self.row_invariant_hp: return linear_invariant(x, self.weight, self.bias)
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if not torch.is_grad_enabled() and self.recipe.is_fp8("fprop"):   # rollout / evaluation: Fprop only
             synced = self._synced_weight() or (quantize_weight(self.weight, self.recipe, "fprop"), None)
             return fp8_fprop(x, synced[0], self.bias, self.recipe, synced[1])[0]
-        return FP8LinearFunction.apply(x, self.weight, self.bias, self.recipe)
+        # training: the weight is quantized once per update, not once per micro-batch (the sync cache, refreshed in place)
+        w_fp8 = w_kernel_scale = None
+        if self.recipe.is_fp8("fprop"):
+            if self._synced_weight() is None: self.sync_fp8_weight()
+            w_fp8, w_kernel_scale = self._synced_weight()
+        return FP8LinearFunction.apply(x, self.weight, self.bias, self.recipe, w_fp8, w_kernel_scale)
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"
 

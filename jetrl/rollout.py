@@ -206,7 +206,7 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
     "The decoder layers over h (b, T, hidden): the one body of the rollout's step and the trainer's forward."
     body, b = model.model, h.shape[0]
     cos, sin = body.rotary_emb(h, positions)
-    invariant = getattr(model, "jetrl_exact", False)
+    invariant = getattr(model, "jetrl_invariant_attention", False)
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = torch.is_grad_enabled() and getattr(model, flag, False)       # model.gradient_checkpointing_enable()
     for i, layer in enumerate(body.layers):
