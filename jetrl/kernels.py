@@ -185,11 +185,9 @@ def _kernels():
                 sum_partials=sum_partials, matmul=matmul, rms_norm=rms_norm, attention=attention)
 
 # %% ../nbs/00a_kernels.ipynb #7e831433
-def quantize_1x128(x2d: torch.Tensor, fmt: str = "e4m3") -> FP8Tensor:
-    """1x128-group quantization of (M, K) in one kernel: the bytes and scales of `quantize_unchecked(x, (1, 128))` (IEEE
-    division, as on the CPU). `x2d` may be a strided view (e.g. a transpose): the FP8 data is written contiguous."""
-    M, K = x2d.shape
-    G = KERNEL_BLOCK
+@torch.library.custom_op("jetrl::quantize_1x128", mutates_args=())
+def _quantize_1x128_op(x2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    (M, K), G = x2d.shape, KERNEL_BLOCK
     data = torch.empty(M, K, device=x2d.device, dtype=fp8_dtype(fmt))
     scale = torch.empty(M, math.ceil(K / G), device=x2d.device, dtype=torch.float32)
     block_m = 16 if x2d.stride(-1) == 1 else 64            # a transposed view: more rows per tile, shorter strided reads
@@ -197,7 +195,19 @@ def quantize_1x128(x2d: torch.Tensor, fmt: str = "e4m3") -> FP8Tensor:
         _kernels()["quantize_1x128"][(math.ceil(M / block_m), math.ceil(K / G))](
             x2d, data, scale, M, K, x2d.stride(0), x2d.stride(1), data.stride(0), scale.stride(0),
             FP8_MAX=fp8_max(fmt), TINY=torch.finfo(torch.float32).tiny, BLOCK_M=block_m, G=G)
-    return FP8Tensor(data, scale, (1, G), fmt)
+    return data, scale
+
+@_quantize_1x128_op.register_fake
+def _(x2d, fmt):
+    return (x2d.new_empty(x2d.shape, dtype=fp8_dtype(fmt)),
+            x2d.new_empty((x2d.shape[0], math.ceil(x2d.shape[1] / KERNEL_BLOCK)), dtype=torch.float32))
+
+def quantize_1x128(x2d: torch.Tensor, fmt: str = "e4m3") -> FP8Tensor:
+    """1x128-group quantization of (M, K) in one kernel: the bytes and scales of `quantize_unchecked(x, (1, 128))` (IEEE
+    division, as on the CPU). `x2d` may be a strided view (e.g. a transpose): the FP8 data is written contiguous.
+    Each kernel runs inside a `torch.library` custom op, so `torch.compile` keeps it whole."""
+    data, scale = _quantize_1x128_op(x2d, fmt)
+    return FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
 
 def fp8_gemm_invariant(a: FP8Tensor, w: FP8Tensor, out_dtype: torch.dtype = torch.bfloat16,
                        w_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,26 +218,35 @@ def fp8_gemm_invariant(a: FP8Tensor, w: FP8Tensor, out_dtype: torch.dtype = torc
     if a.block != (1, G) or w.block != (G, G) or a.shape[1] != w.shape[1]:
         raise ValueError(f"fp8_gemm_invariant multiplies (M, K) in 1x{G} groups by a weight (N, K) in {G}x{G} blocks: "
                          f"got {a} and {w}.")
-    (M, K), N = a.shape, w.shape[0]
-    a_data, a_scale = a.data.contiguous(), a.scale.contiguous()
-    w_data, w_scale = w.data.contiguous(), (w.scale if w_scale is None else w_scale).contiguous()
+    w_scale = w.scale if w_scale is None else w_scale
+    return _fp8_gemm_invariant_op(a.data, a.scale, w.data, w_scale, out_dtype)
+
+@torch.library.custom_op("jetrl::fp8_gemm_invariant", mutates_args=())
+def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    (M, K), N, G = a_data.shape, w_data.shape[0], KERNEL_BLOCK
+    a_data, a_scale, w_data, w_scale = (t.contiguous() for t in (a_data, a_scale, w_data, w_scale))
     out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
     if M == 0 or N == 0: return out
-    kernels, k_blocks = _kernels(), math.ceil(K / G)
+    k_blocks = math.ceil(K / G)
     few_rows = M <= DECODE_MAX_ROWS              # decode: spread K over programs, then add the splits in order
     splits = math.ceil(k_blocks / SPLIT_BLOCKS) if few_rows else 1
     block_m, block_n = (TILE_ROWS, 64) if few_rows else (128, 128)
     target = out if splits == 1 else torch.empty(splits, M, N, device=out.device, dtype=torch.float32)
-    kernels["fp8_gemm"][(math.ceil(M / block_m), math.ceil(N / block_n), splits)](
+    _kernels()["fp8_gemm"][(math.ceil(M / block_m), math.ceil(N / block_n), splits)](
         a_data, a_scale, w_data, w_scale, target, M, N, K, a_data.stride(0), a_scale.stride(0), w_data.stride(0),
         w_scale.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2), SPLIT=SPLIT_BLOCKS,
         ONE_SPLIT_PER_PROGRAM=few_rows, BLOCK_M=block_m, BLOCK_N=block_n, G=G,
         num_warps=4 if few_rows else 8, num_stages=4 if few_rows else 3)
     if splits > 1:
         block = 1024
-        kernels["sum_partials"][(math.ceil(M * N / block),)](target, out, M * N, splits, target.stride(0), BLOCK=block)
+        _kernels()["sum_partials"][(math.ceil(M * N / block),)](target, out, M * N, splits, target.stride(0), BLOCK=block)
     return out
 
+@_fp8_gemm_invariant_op.register_fake
+def _(a_data, a_scale, w_data, w_scale, out_dtype): return a_data.new_empty((a_data.shape[0], w_data.shape[0]), dtype=out_dtype)
+
+@torch.library.custom_op("jetrl::matmul_invariant", mutates_args=())
 def matmul_invariant(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     "`x2d @ weight.T` ((M, K) by (N, K)) with K summed in fixed 64-wide steps: a row's bits do not depend on M."
     M, K = x2d.shape
@@ -241,19 +260,26 @@ def matmul_invariant(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=4 if block_m == TILE_ROWS else 8, num_stages=3)
     return out
 
+@matmul_invariant.register_fake
+def _(x2d, weight): return x2d.new_empty((x2d.shape[0], weight.shape[0]))
+
+@torch.library.custom_op("jetrl::rms_norm_invariant", mutates_args=())
 def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     "RMSNorm as transformers computes it (fp32 statistics, rounded to x's dtype, times the weight), one row per program."
     H = x.shape[-1]
     x2d = x.reshape(-1, H).contiguous()
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    y = torch.empty(x2d.shape, device=x.device, dtype=out_dtype)
+    y = torch.empty(x2d.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     if x2d.shape[0]:
         _kernels()["rms_norm"][(x2d.shape[0],)](x2d, weight, y, H, x2d.stride(0), y.stride(0), eps,
                                                 BLOCK=triton_next_power_of_2(H), num_warps=4)
     return y.reshape(*x.shape[:-1], H)
 
+@rms_norm_invariant.register_fake
+def _(x, weight, eps): return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
 def triton_next_power_of_2(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
 
+@torch.library.custom_op("jetrl::attention_invariant", mutates_args=())
 def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_columns: torch.Tensor,
                         key_valid: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention with key padding, the same bits for a query whatever other queries run beside it.
@@ -277,6 +303,10 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
         valid.stride(0), heads, group, Tq, Tk, scale, HEADS_AS_ROWS=heads_as_rows,
         BLOCK_Q=QUERY_TILE, BLOCK_KV=KEY_BLOCK, D=D, num_warps=4, num_stages=2)
     return out
+
+@attention_invariant.register_fake
+def _(q, k, v, q_columns, key_valid, scale): return torch.empty_like(q)
+
 
 # %% ../nbs/00a_kernels.ipynb #7e811c3a
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
