@@ -231,13 +231,14 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
     k_blocks = math.ceil(K / G)
     few_rows = M <= DECODE_MAX_ROWS              # decode: spread K over programs, then add the splits in order
     splits = math.ceil(k_blocks / SPLIT_BLOCKS) if few_rows else 1
-    block_m, block_n = (TILE_ROWS, 64) if few_rows else (128, 128)
+    # few rows: all of them in one tile (64, 128 or 256), so each weight byte is read once; any tile >= 64 rows sums alike
+    block_m, block_n = (min(DECODE_MAX_ROWS, max(TILE_ROWS, triton_next_power_of_2(M))), 64) if few_rows else (128, 128)
     target = out if splits == 1 else torch.empty(splits, M, N, device=out.device, dtype=torch.float32)
     _kernels()["fp8_gemm"][(math.ceil(M / block_m), math.ceil(N / block_n), splits)](
         a_data, a_scale, w_data, w_scale, target, M, N, K, a_data.stride(0), a_scale.stride(0), w_data.stride(0),
         w_scale.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2), SPLIT=SPLIT_BLOCKS,
         ONE_SPLIT_PER_PROGRAM=few_rows, BLOCK_M=block_m, BLOCK_N=block_n, G=G,
-        num_warps=4 if few_rows else 8, num_stages=4 if few_rows else 3)
+        num_warps=4 if block_m == TILE_ROWS else 8, num_stages=4 if few_rows else 3)
     if splits > 1:
         block = 1024
         _kernels()["sum_partials"][(math.ceil(M * N / block),)](target, out, M * N, splits, target.stride(0), BLOCK=block)
