@@ -9,7 +9,6 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}     # the GPU machine has torch, triton a
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 timeout 200 python -m pytest -q tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/test_gpu_h200.txt"
 grep -q " passed" "$OUT/test_gpu_h200.txt" && ! grep -q "failed\|error" "$OUT/test_gpu_h200.txt" || { echo "GPU tests failed: no benchmarks"; exit 1; }
-timeout 60 python benchmarks/small_m_gemm.py --out "$OUT/small_m_gemm_h200.jsonl" | cut -c1-210
 R="--device cuda --batch 64 --prompt-len 128 --new-tokens 256 --reps 3 --out $OUT/rollout_h200.jsonl"
 timeout 150 python benchmarks/rollout.py $R --model qwen2-0.5b --strategies bf16,jet --engines graphs,compiled --hf-reps 2 2>&1 | grep "^{" | cut -c1-330
 timeout 240 python benchmarks/rollout.py $R --model qwen2-7b --strategies bf16,jet --engines graphs,compiled --no-hf 2>&1 | grep "^{" | cut -c1-330
