@@ -1,0 +1,64 @@
+"""Where a GRPO step's GPU time goes, per strategy: the kernels of eager decode steps and of one training micro-batch.
+
+    python benchmarks/profile_step.py --model qwen2-7b --rows 128 --strategies bf16,jet
+
+Eager (no CUDA graphs) so that every kernel is seen; kernel times are what a graph replays, minus launch gaps.
+Prints, per strategy: the graphed decode step time (from the engine's own timing), then the top kernels by GPU
+time for --decode-steps eager decode steps and for one forward + backward of --micro-batch rows.
+"""
+import argparse, sys
+import torch
+from torch.profiler import profile, ProfilerActivity
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from rollout import build
+from jetrl.policy import Policy, token_log_probs
+from jetrl.rollout import RolloutEngine, SamplingParams
+
+
+def top_kernels(prof, n: int) -> str:
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2-7b")
+    p.add_argument("--strategies", default="bf16,jet")
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--top", type=int, default=22)
+    args = p.parse_args(argv)
+    for strategy in args.strategies.split(","):
+        model, tokenizer = build(args.model, torch.bfloat16)
+        policy = Policy(model, tokenizer, strategy, device="cuda")
+        prompts = torch.randint(10, model.config.vocab_size, (args.rows, args.prompt_len),
+                                generator=torch.Generator().manual_seed(1)).tolist()
+        graphed = RolloutEngine(policy, chat_template=False)
+        params = SamplingParams(max_new_tokens=64, seed=0, ignore_eos=True)
+        graphed.generate(prompts, params)
+        timing = graphed.generate(prompts, params).timing
+        print(f"\n##### {strategy}: graphed decode {1e3 * timing['decode_s'] / 64:.2f} ms/step, prefill {1e3 * timing['prefill_s']:.1f} ms")
+        eager = RolloutEngine(policy, chat_template=False, cuda_graphs=False)
+        short = SamplingParams(max_new_tokens=args.decode_steps, seed=0, ignore_eos=True)
+        eager.generate(prompts, short)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eager.generate(prompts, short)
+            torch.cuda.synchronize()
+        print(f"--- {strategy}: prefill + {args.decode_steps} eager decode steps, top kernels")
+        print(top_kernels(prof, args.top))
+        rollout = graphed.generate(prompts[: args.micro_batch], SamplingParams(max_new_tokens=512, seed=0, ignore_eos=True))
+        ids, mask = rollout.input_ids, rollout.attention_mask
+        token_log_probs(policy.model, ids, mask).sum().backward()                     # warm-up
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            token_log_probs(policy.model, ids, mask).sum().backward()
+            torch.cuda.synchronize()
+        print(f"--- {strategy}: one training micro-batch ({args.micro_batch} x {ids.shape[1]}), forward + backward, top kernels")
+        print(top_kernels(prof, args.top))
+        del policy, graphed, eager, model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
