@@ -7,10 +7,10 @@ Docs: https://jetrl.github.io/jetrl/vllm.html.md"""
 # %% auto #0
 __all__ = ['VLLM_INSTALL', 'VLLM_FP8_DTYPES', 'FUSED_LINEARS', 'SCALE_NAMES', 'vllm_missing', 'vllm_format', 'rollout_linears',
            'vllm_unsupported', 'rollout_weights', 'quantization_config', 'export_for_vllm', 'held_linear_weights',
-           'VLLMEngine', 'engine_vs_trainer', 'backend_mismatch_table']
+           'reprocess_tied_head', 'VLLMEngine', 'engine_vs_trainer', 'backend_mismatch_table']
 
 # %% ../nbs/05b_vllm.ipynb #cell-003
-import json, os, tempfile, time
+import gc, json, os, tempfile, time, weakref
 from itertools import chain
 from pathlib import Path
 import torch
@@ -154,6 +154,7 @@ def held_linear_weights(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     held = {}
     for fqn, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or not isinstance(getattr(layer, "weight", None), torch.Tensor): continue
+        if layer.weight.numel() == 0: continue          # packed into a oneDNN handle (unquantized fp32 on a CPU): no bytes to read
         weight = layer.weight
         if getattr(weight, "output_dim", 0) == 1: weight = weight.t()        # the channel FP8 kernels hold (K, N)
         widths = list(getattr(layer, "output_partition_sizes", [weight.shape[0]]))
@@ -177,14 +178,26 @@ def held_linear_weights(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
             held[name] = entry; rows += width
     return held
 
-# %% ../nbs/05b_vllm.ipynb #cell-023
+# %% ../nbs/05b_vllm.ipynb #cell-024
+def reprocess_tied_head(model: nn.Module) -> bool:
+    """Inside vLLM, after a reload: a tied lm_head is not in the checkpoint (it *is* the embedding), so vLLM's reload skips
+    its post-load step, and on a CPU that step builds the packed GEMM the head reads: run it again. True if it ran."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not hasattr(head, "quant_method") or not hasattr(head, "weight"): return False
+    if head.weight.data_ptr() != embed.weight.data_ptr(): return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+# %% ../nbs/05b_vllm.ipynb #cell-025
 def _default_kv_cache_gib() -> int: return 1      # CPU: vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE), GiB
+_LIVE_ENGINE = None   # weakref to the VLLMEngine that holds this process's vLLM: vLLM's parallel state is one per process
 
 class VLLMEngine:
     """jetrl's rollout interface (`generate(prompts, params) -> Rollout`) on an in-process `vllm.LLM` that holds the
     policy's rollout weights as jetrl wrote them. Before each generation the engine pushes the weights again if the policy
     changed since the last push (through vLLM's own weight loaders, `reload_weights`: no re-quantization), and clears
-    vLLM's prefix cache (its keys and values belong to the old weights)."""
+    vLLM's prefix cache (its keys and values belong to the old weights). vLLM keeps one engine's parallel state per
+    process, so a new VLLMEngine closes the previous one."""
 
     def __init__(self, policy: Policy, folder: "str | Path | None" = None, max_model_len: int | None = None,
                  chat_template: bool = True, gpu_memory_utilization: float = 0.3, sleep_mode: bool = False,
@@ -206,16 +219,32 @@ class VLLMEngine:
         self.max_model_len = max_model_len or min(context, 4096)
         if not on_cuda: os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib or _default_kv_cache_gib()))
         from vllm import LLM
+        global _LIVE_ENGINE
+        if _LIVE_ENGINE is not None and _LIVE_ENGINE() is not None: _LIVE_ENGINE().close()
         kwargs = dict(model=str(self.folder), tokenizer=str(self.folder), dtype=str(policy.dtype).removeprefix("torch."),
                       max_model_len=self.max_model_len, enforce_eager=not on_cuda, seed=seed,
                       logprobs_mode="processed_logprobs")     # log-probs after temperature / top-k / top-p, as jetrl records them
         if on_cuda: kwargs |= dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
         self.llm = LLM(**(kwargs | llm_kwargs))
+        _LIVE_ENGINE = weakref.ref(self)
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.last_sync: SyncReport | None = None
         self._pushed = self._versions()
         if sleep_mode: self.llm.sleep(level=1)
+
+    def close(self):
+        "Shut vLLM down now (its worker, KV cache and the process's parallel state); the engine cannot generate after."
+        if self.llm is None: return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+
+    def _live(self):
+        if self.llm is None:
+            raise RuntimeError("This VLLMEngine is closed (a newer VLLMEngine in this process closes the previous one: vLLM keeps "
+                               "one engine's parallel state per process). Make a new VLLMEngine.")
+        return self.llm
 
     def _eos_ids(self) -> list[int]:
         config = getattr(self.policy.model, "generation_config", None)
@@ -234,10 +263,12 @@ class VLLMEngine:
     def sync_weights(self) -> SyncReport:
         "Push the policy's rollout weights into vLLM through its weight loaders (FP8 as bytes + scales); reset its prefix cache."
         start = time.perf_counter()
-        if self.sleep_mode: self.llm.wake_up(tags=["weights"])
+        llm = self._live()
+        if self.sleep_mode: llm.wake_up(tags=["weights"])
         weights = list(rollout_weights(self.policy))
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True))
-        self.llm.reset_prefix_cache()
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True))
+        llm.apply_model(reprocess_tied_head)
+        llm.reset_prefix_cache()
         self._pushed = self._versions()
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
         self.last_sync = SyncReport(quantized=0, copied=len(weights), bytes=nbytes, seconds=time.perf_counter() - start)
@@ -245,7 +276,7 @@ class VLLMEngine:
 
     def held_weights(self) -> dict[str, dict[str, torch.Tensor]]:
         "What vLLM's linear layers hold now, by checkpoint name (see `held_linear_weights`)."
-        return self.llm.apply_model(held_linear_weights)[0]
+        return self._live().apply_model(held_linear_weights)[0]
 
     def _vllm_params(self, params: SamplingParams):
         from vllm import SamplingParams as VLLMSamplingParams
@@ -261,6 +292,7 @@ class VLLMEngine:
     def generate(self, prompts: list, params: SamplingParams = SamplingParams(), progress: bool = False) -> Rollout:
         "Complete each prompt `params.n` times with vLLM; the same Rollout (rows prompt-major) as the embedded engine."
         if not prompts: raise ValueError("No prompts: give a non-empty list of strings (or token-id lists).")
+        llm = self._live()
         prompt_rows = _prompt_token_ids(self.tokenizer, prompts, self.chat_template)
         empty = [i for i, r in enumerate(prompt_rows) if len(r) == 0]
         if empty: raise ValueError(f"Prompt(s) {empty[:5]} tokenized to no tokens: give non-empty prompts.")
@@ -271,12 +303,12 @@ class VLLMEngine:
         vllm_params = self._vllm_params(params)
         sync_s = 0.0
         if self.stale(): sync_s = self.sync_weights().seconds
-        elif self.sleep_mode: self.llm.wake_up(tags=["weights"])
-        if self.sleep_mode: self.llm.wake_up(tags=["kv_cache"])
+        elif self.sleep_mode: llm.wake_up(tags=["weights"])
+        if self.sleep_mode: llm.wake_up(tags=["kv_cache"])
         start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": r} for r in prompt_rows], vllm_params, use_tqdm=progress)
+        outputs = llm.generate([{"prompt_token_ids": r} for r in prompt_rows], vllm_params, use_tqdm=progress)
         total_s = time.perf_counter() - start
-        if self.sleep_mode: self.llm.sleep(level=1)
+        if self.sleep_mode: llm.sleep(level=1)
         return self._rollout(prompts, prompt_rows, outputs, params, dict(total_s=total_s, weight_sync_s=sync_s))
 
     def _rollout(self, prompts, prompt_rows, outputs, params: SamplingParams, timing: dict) -> Rollout:
@@ -304,7 +336,7 @@ class VLLMEngine:
                        self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True), finish,
                        torch.arange(len(prompts), device=device).repeat_interleave(n), timing)
 
-# %% ../nbs/05b_vllm.ipynb #cell-027
+# %% ../nbs/05b_vllm.ipynb #cell-029
 def engine_vs_trainer(policy: Policy, engine, prompts: list, params: SamplingParams) -> dict:
     "Generate with `engine`; the trainer recomputes the same tokens: the `mismatch/*` metrics of the two, and the rollout time."
     from jetrl.mismatch import mismatch_metrics
@@ -326,5 +358,5 @@ def backend_mismatch_table(name_or_path: str, strategies: list[str], hp_dtype: s
         for backend, engine in (("jetrl", RolloutEngine(policy)), ("vllm", VLLMEngine(policy))):
             metrics = engine_vs_trainer(policy, engine, prompts, params)
             rows.append(dict(strategy=strategy, hp_dtype=hp_dtype, backend=backend) | {k: metrics[k] for k in keys})
-            del engine
+            if backend == "vllm": engine.close()
     return rows
