@@ -11,8 +11,8 @@ __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_
 import argparse, sys
 from pathlib import Path
 from .grpo import GRPOConfig, LOSS_TYPES
-from .policy import STRATEGIES
-from .train import TrainConfig, train, read_metrics
+from .policy import STRATEGIES, HP_DTYPES
+from .train import TrainConfig, ROLLOUT_BACKENDS, train, read_metrics
 
 # %% ../nbs/09_cli.ipynb #9493b3b5
 REPORT_PANELS = [("reward", "reward"), ("accuracy", "accuracy"), ("mismatch/kl_k3", "mismatch KL (k3)"),
@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--save-every", type=int, default=1,
                        help="checkpoint every N steps (1: a kill loses only the step in flight; each checkpoint rewrites weights and optimizer state)")
+        s.add_argument("--backend", default="jetrl", choices=ROLLOUT_BACKENDS,
+                       help="rollout engine: jetrl's embedded one, or vLLM with the policy's own weights (pip install 'jetrl[vllm]')")
+        s.add_argument("--hp-dtype", default=None, choices=sorted(HP_DTYPES),
+                       help="high precision of both sides (default: bfloat16 on a GPU, float32 on a CPU); vLLM's FP8 needs bfloat16")
         s.add_argument("--out", required=True, help="output folder")
         s.add_argument("--resume", action="store_true", help="continue the run in --out after its last checkpoint")
     return p
@@ -95,7 +99,8 @@ def config_from_args(args, strategy: str) -> TrainConfig:
     return TrainConfig(model=args.model, task=args.task, task_knobs=args.task_knobs, strategy=strategy, steps=args.steps,
                        prompts_per_step=args.prompts_per_step, grpo=GRPOConfig(num_generations=args.group_size, loss_type=args.loss_type,
                        max_completion_length=args.max_new_tokens), max_new_tokens=args.max_new_tokens, lr=args.lr,
-                       micro_batch_size=args.micro_batch_size, seed=args.seed, save_every=args.save_every)
+                       micro_batch_size=args.micro_batch_size, seed=args.seed, save_every=args.save_every,
+                       backend=args.backend, hp_dtype=args.hp_dtype)
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary({s: read_metrics(Path(args.out) / s)[1] for s in strategies}))
         print(f"report: {report}")
         return 0
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
+    except (ValueError, FileExistsError, FileNotFoundError, ImportError) as e:
         print(f"jetrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

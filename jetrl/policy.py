@@ -65,6 +65,9 @@ STRATEGIES = {
     "fp8-rollout-tis": PrecisionSpec("fp8-rollout-tis", rollout_recipe=RECIPES["blockwise"], shared_weights=False, tis_cap=2.0),
     "jet": PrecisionSpec("jet", train_recipe=RECIPES["blockwise"], rollout_recipe=RECIPES["blockwise"]),
     "fp16": PrecisionSpec("fp16", hp_dtype="float16"),
+    # rowwise variants: what vLLM runs in FP8 on any CPU (per-channel weights, per-token activations)
+    "jet-rowwise": PrecisionSpec("jet-rowwise", train_recipe=RECIPES["rowwise"], rollout_recipe=RECIPES["rowwise"]),
+    "fp8-rollout-rowwise": PrecisionSpec("fp8-rollout-rowwise", rollout_recipe=RECIPES["rowwise"], shared_weights=False),
 }
 
 def get_strategy(strategy: "str | PrecisionSpec") -> PrecisionSpec:

@@ -98,7 +98,8 @@ def test_strategy_modules(name, family, tie):
     spec = STRATEGIES[name]
     train_linears = fp8_modules(policy.model)
     assert len(train_linears) == N_LINEARS
-    assert {m.recipe for m in train_linears.values()} == {RECIPES["blockwise"] if name == "jet" else RECIPES["bf16"]}
+    assert {m.recipe for m in train_linears.values()} == {spec.train_recipe}
+    assert spec.train_recipe == {"jet": RECIPES["blockwise"], "jet-rowwise": RECIPES["rowwise"]}.get(name, RECIPES["bf16"])
     assert type(policy.model.lm_head) is nn.Linear
     assert policy.dtype == {"fp16": torch.float16}.get(name, torch.float32)          # CPU: fp32 unless asked
     assert {p.dtype for p in policy.model.parameters()} == {policy.dtype}
@@ -110,7 +111,7 @@ def test_strategy_modules(name, family, tie):
         engine = {fqn: m for fqn, m in policy.rollout_model.named_modules() if isinstance(m, FP8InferenceLinear)}
         assert engine.keys() == train_linears.keys()
         for m in engine.values():
-            assert m.recipe == RECIPES["blockwise"]
+            assert m.recipe == spec.rollout_recipe == RECIPES["rowwise" if name.endswith("-rowwise") else "blockwise"]
             assert m.weight_fp8.dtype == torch.float8_e4m3fn and m.weight_scale.dtype == torch.float32
             assert list(m.parameters()) == []                        # FP8 only: no high-precision weight
         assert type(policy.rollout_model.lm_head) is nn.Linear
@@ -124,6 +125,7 @@ def test_tis_strategy_is_fp8_rollout_plus_the_cap():
 
 # FP8 GEMMs per forward (training forward with grad, rollout forward) and in the training backward
 EXPECTED_GEMMS = {"bf16": (0, 0, 0), "fp16": (0, 0, 0), "fp8-rollout": (0, N_LINEARS, 0), "fp8-rollout-tis": (0, N_LINEARS, 0),
+                  "fp8-rollout-rowwise": (0, N_LINEARS, 0), "jet-rowwise": (N_LINEARS, N_LINEARS, 2 * N_LINEARS),
                   "jet": (N_LINEARS, N_LINEARS, 2 * N_LINEARS)}     # jet backward: Dgrad and Wgrad per linear
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -257,7 +259,8 @@ def test_sync_report_counts(name, family, tie):
     report = policy.sync_weights()
     assert isinstance(report, SyncReport) and report is policy.last_sync and report.seconds >= 0
     spec = STRATEGIES[name]
-    fp8_bytes = sum(quantize_weight(m.weight, "blockwise").nbytes for m in fp8_modules(policy.model).values())
+    fp8_bytes = sum(quantize_weight(m.weight, spec.rollout_recipe).nbytes for m in fp8_modules(policy.model).values()) \
+        if spec.rollout_recipe.quantizes else 0
     if spec.rollout_recipe.quantizes:
         linear_params = {p.data_ptr() for m in fp8_modules(policy.model).values() for p in m.parameters()}
         rest = {p.data_ptr(): p for p in policy.model.parameters() if p.data_ptr() not in linear_params}
