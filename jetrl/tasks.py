@@ -212,9 +212,9 @@ def _checked_values(values: Any, n: int) -> list[float]:
 
 def call_reward_safely(reward_fn: RewardFn, prompts: list, completions: list, columns: dict[str, Any],
                        on_error: Callable[[Any, Exception], None]) -> list[float]:
-    "`reward_fn`'s values on a batch; a completion on which it fails scores 0 and is passed to `on_error`."
+    "`reward_fn`'s values on a batch, called by keyword as TRL does; a completion on which it fails scores 0 and is passed to `on_error`."
     n = len(completions)
-    try: return _checked_values(reward_fn(prompts, completions, **columns), n)
+    try: return _checked_values(reward_fn(prompts=prompts, completions=completions, **columns), n)
     except Exception as error: batch_error = error
     # The batch failed: score one completion at a time to find the culprits.
     def one(column: Any, i: int) -> Any:
@@ -223,7 +223,7 @@ def call_reward_safely(reward_fn: RewardFn, prompts: list, completions: list, co
     for i in range(n):
         try:
             row_columns = {key: one(column, i) for key, column in columns.items()}
-            values += _checked_values(reward_fn(one(prompts, i), completions[i:i + 1], **row_columns), 1)
+            values += _checked_values(reward_fn(prompts=one(prompts, i), completions=completions[i:i + 1], **row_columns), 1)
         except Exception as error:
             on_error(completions[i], error); culprits += 1
             values.append(0.0)
