@@ -76,7 +76,7 @@ def check_reward_function(reward_fn: RewardFn, columns: Sequence[str]) -> None:
     arguments = [*REWARD_ARGUMENTS, *(c for c in columns if c != "prompt")]
     try: signature.bind(**dict.fromkeys(arguments, []))
     except TypeError as error:
-        call = ", ".join(f"{a}=[...]" for a in arguments)
+        call = ", ".join(f"{a}=..." if a == "trainer_state" else f"{a}=[...]" for a in arguments)
         raise TypeError(f"reward function {name}{signature} cannot take the arguments it will be given ({error}).\n"
                         f"Each step calls it by keyword, one list entry per completion:\n    {name}({call})\n"
                         f"and it returns one float per completion. Write it as\n"
