@@ -10,7 +10,7 @@ __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_
 # %% ../nbs/09_cli.ipynb #0fc1684d
 import argparse, sys
 from pathlib import Path
-from .grpo import GRPOConfig, LOSS_TYPES
+from .grpo import GRPOConfig, LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
 from .policy import STRATEGIES, HP_DTYPES
 from .train import TrainConfig, ROLLOUT_BACKENDS, train, read_metrics
 
@@ -66,6 +66,11 @@ def _knobs(text: str) -> tuple:
         knobs.append((name.strip(), int(value) if value.strip().lstrip("-").isdigit() else value.strip()))
     return tuple(sorted(knobs))
 
+def _floats(text: str) -> tuple:
+    "'1,0.1' -> (1.0, 0.1)."
+    try: return tuple(float(item) for item in text.split(","))
+    except ValueError: raise argparse.ArgumentTypeError(f"weights must be numbers separated by commas, e.g. 1,0.1, got {text!r}") from None
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jetrl", description="On-policy FP8 GRPO: train, or compare precision strategies.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -74,15 +79,21 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train": s.add_argument("--strategy", default="jet", choices=sorted(STRATEGIES))
         else: s.add_argument("--strategies", default="bf16,fp8-rollout,jet")
         s.add_argument("--model", default="jetrl-tiny", help="jetrl-tiny, smollm2-135m, or a local model folder")
-        s.add_argument("--task", default="arithmetic")
-        s.add_argument("--task-knobs", type=_knobs, default=_knobs("digits=1,operands=2,operators=+"),
-                       help="difficulty knobs, e.g. digits=3,operands=2")
+        s.add_argument("--task", default=None, help="a registered task (default arithmetic)")
+        s.add_argument("--task-knobs", type=_knobs, default=None,
+                       help="difficulty knobs, e.g. digits=3,operands=2 (default: 1-digit additions for arithmetic, else the task's own)")
+        s.add_argument("--dataset", default=None, help="your prompts instead of --task: a JSONL file, one {\"prompt\": ..., <columns>} per line")
+        s.add_argument("--reward", action="append", default=None, metavar="MODULE:FUNCTION",
+                       help="a reward function, module:function or file.py:function, called as TRL calls it; repeat for several")
+        s.add_argument("--reward-weights", type=_floats, default=None, help="one weight per reward function, e.g. 1,0.1")
         s.add_argument("--steps", type=int, default=60)
         s.add_argument("--prompts-per-step", type=int, default=16)
         s.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO's G)")
         s.add_argument("--lr", type=float, default=2e-4)
         s.add_argument("--max-new-tokens", type=int, default=12)
         s.add_argument("--loss-type", default="dapo", choices=LOSS_TYPES)
+        s.add_argument("--epsilon-high", type=float, default=None, help="upper clip 1 + epsilon_high; for cispo, the ratio cap (e.g. 5.0)")
+        s.add_argument("--importance-sampling-level", default="token", choices=IMPORTANCE_SAMPLING_LEVELS, help="sequence: GSPO")
         s.add_argument("--micro-batch-size", type=int, default=0)
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--save-every", type=int, default=1,
@@ -96,29 +107,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 def config_from_args(args, strategy: str) -> TrainConfig:
-    return TrainConfig(model=args.model, task=args.task, task_knobs=args.task_knobs, strategy=strategy, steps=args.steps,
-                       prompts_per_step=args.prompts_per_step, grpo=GRPOConfig(num_generations=args.group_size, loss_type=args.loss_type,
-                       max_completion_length=args.max_new_tokens), max_new_tokens=args.max_new_tokens, lr=args.lr,
+    grpo = GRPOConfig(num_generations=args.group_size, loss_type=args.loss_type, epsilon_high=args.epsilon_high,
+                      importance_sampling_level=args.importance_sampling_level, reward_weights=args.reward_weights,
+                      max_completion_length=args.max_new_tokens)
+    return TrainConfig(model=args.model, task=args.task or "arithmetic", task_knobs=args.task_knobs, strategy=strategy, steps=args.steps,
+                       prompts_per_step=args.prompts_per_step, grpo=grpo, max_new_tokens=args.max_new_tokens, lr=args.lr,
                        micro_batch_size=args.micro_batch_size, seed=args.seed, save_every=args.save_every,
                        backend=args.backend, hp_dtype=args.hp_dtype)
+
+def _data_args(args) -> dict:
+    "train()'s dataset and reward_funcs from --dataset and --reward, checked for the combinations that make no sense."
+    if args.dataset is not None and (args.task is not None or args.task_knobs is not None):
+        raise ValueError("--dataset replaces --task and --task-knobs: give one or the other")
+    if args.dataset is not None and not args.reward:
+        raise ValueError("--dataset needs a reward: --reward module:function (a function f(prompts, completions, **kwargs) -> list[float])")
+    return {"dataset": args.dataset, "reward_funcs": args.reward}
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
-            train(config_from_args(args, args.strategy), args.out, resume=args.resume, progress=True)
+            train(config_from_args(args, args.strategy), args.out, resume=args.resume, progress=True, **_data_args(args))
             print(summary({args.strategy: read_metrics(args.out)[1]}))
             return 0
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         unknown = [s for s in strategies if s not in STRATEGIES]
         if unknown or not strategies: raise ValueError(f"Unknown strategies {unknown}: choose from {sorted(STRATEGIES)}.")
         for strategy in strategies:
-            train(config_from_args(args, strategy), Path(args.out) / strategy, resume=args.resume, progress=True)
+            train(config_from_args(args, strategy), Path(args.out) / strategy, resume=args.resume, progress=True, **_data_args(args))
         report = write_report(args.out, strategies)
         print(summary({s: read_metrics(Path(args.out) / s)[1] for s in strategies}))
         print(f"report: {report}")
         return 0
-    except (ValueError, FileExistsError, FileNotFoundError, ImportError) as e:
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError, ImportError) as e:
         print(f"jetrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,7 +16,8 @@ SMALL = ["--steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--max-
 def test_train_writes_metrics_and_checkpoint(model_dir, tmp_path):
     assert main(["train", "--model", model_dir, "--strategy", "fp8-rollout-tis", *SMALL, "--out", str(tmp_path / "run")]) == 0
     config, steps = read_metrics(tmp_path / "run")
-    assert config["strategy"] == "fp8-rollout-tis" and config["grpo"]["tis_cap"] == 2.0     # the strategy turned TIS on
+    assert config["strategy"] == "fp8-rollout-tis" and config["grpo"]["rollout_importance_sampling_mode"] == "token_truncate"   # the strategy turned TIS on
+    assert config["grpo"]["rollout_importance_sampling_clip_max"] == 2.0
     assert [m["step"] for m in steps] == [0, 1, 2, 3]
     for key in ["reward", "accuracy", "entropy", "grad_norm", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/logp_abs_diff_max",
                 "mismatch/ess", "mismatch/tis_clip_frac", "drift/kl_to_prev_policy", "time/rollout", "time/train", "sync/seconds"]:
