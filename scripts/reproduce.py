@@ -18,14 +18,17 @@ the mean step time so far fits), so a GPU machine lent in calls of at most 10 mi
 several calls. `--pack DIR` writes the whole OUT folder as a few gzip'd tar parts of at most 15 MiB each (64 MiB in
 all, or it stops and says which files are too big); `--unpack DIR` restores it before the work starts.
 
-Deviations from the paper, stated once: models of 3-22M parameters, not 7-32B; synthetic tasks with exact
-rewards; the rollout engine is jetrl's own; the rungs below FP8 (`rollout-nvfp4`, `rollout-mxfp4`) emulate 4-bit
-E2M1 with jetrl's fake quantizer below, for the dose-response only (jetrl has no FP4 kernel).
+Learning is scored twice: the train accuracy (sampled, new prompts every step: noisy) and the held-out accuracy of
+the master weights before and after training (256 fixed prompts x 4 samples at the training temperature).
+
+Deviations from the paper, stated once: models of 3-22M parameters, not 7-32B; synthetic tasks with exact rewards;
+the rollout engine is jetrl's own; the rungs below FP8 (`rollout-nvfp4`, `rollout-mxfp4`, `rollout-fp4-rowwise`)
+emulate 4-bit E2M1 with the fake quantizer of this script, for the dose-response only (jetrl has no FP4 kernel).
 """
 from __future__ import annotations
 
-import argparse, copy, io, json, math, os, platform, random, re, shlex, sys, tarfile, time
-from dataclasses import asdict, dataclass, field, replace
+import argparse, copy, io, json, math, re, shlex, sys, tarfile, time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +36,7 @@ import torch.nn as nn
 
 from jetrl.grpo import GRPOConfig
 from jetrl.linear import RECIPES, FP8Recipe, fp8_modules, set_recipe
-from jetrl.policy import STRATEGIES, Policy, PrecisionSpec, load_model_and_tokenizer
+from jetrl.policy import STRATEGIES, Policy, PrecisionSpec, SyncReport, load_model_and_tokenizer
 from jetrl.tasks import STEP_WORDS, ArithmeticChainTask, get_task, number_reward
 from jetrl.train import TrainConfig, read_metrics, train
 
@@ -41,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
 PART_BYTES = 15 * MiB          # a packed part: under the device tool's 16 MiB a file
 PACK_BYTES = 64 * MiB          # all parts together: the device tool's 64 MiB
-DIVERGENCE_DROP = 0.10         # diverged: accuracy of the last window below the first window's by more than this
-                               # (or a non-finite loss / gradient norm at any step); the same rule for every run
+DIVERGENCE_DROP = 0.10         # diverged: the held-out accuracy, or the train accuracy's last window, more than this
+                               # below where it started (or a non-finite loss / gradient norm); one rule for every run
 
 
 # ---------------------------------------------------------------- rollout precisions below FP8 (dose-response)
@@ -88,7 +91,7 @@ class FP4RolloutLinear(nn.Module):
         return y.to(x.dtype)
 
 class FP4RolloutPolicy(Policy):
-    "BF16 training, a separate rollout copy in 4-bit E2M1 (weights and activations): the bottom rung of the ladder."
+    "High-precision training, a separate rollout copy in 4-bit E2M1 (weights and activations): the ladder's bottom rungs."
 
     def __init__(self, model, tokenizer, spec: PrecisionSpec, device, block: int, pow2_scale: bool):
         self.fp4_block, self.fp4_pow2 = block, pow2_scale
@@ -112,7 +115,6 @@ class FP4RolloutPolicy(Policy):
             for key, value in [*self.model.named_parameters(), *self.model.named_buffers()]:
                 if key in handed_over or key not in rollout_state: continue
                 rollout_state[key].data.copy_(value.data)
-        from jetrl.policy import SyncReport
         self.last_sync = SyncReport(n, 0, nbytes, time.perf_counter() - start)
         return self.last_sync
 
@@ -130,8 +132,6 @@ VARIANTS: dict[str, tuple[PrecisionSpec, dict | None]] = {
     "rollout-mxfp4": (_rollout_spec("rollout-mxfp4", RECIPES["blockwise"]), {"block": 32, "pow2_scale": True}),
     "rollout-fp4-rowwise": (_rollout_spec("rollout-fp4-rowwise", RECIPES["blockwise"]), {"block": 0, "pow2_scale": False}),
 }
-LADDER = ("bf16", "fp8-rollout", "rollout-rowwise", "rollout-tensorwise", "rollout-tensorwise-e5m2",
-          "rollout-nvfp4", "rollout-fp4-rowwise")     # finest to coarsest rollout side (rollout-mxfp4: available, not in the ladder)
 DESCRIPTIONS = {"bf16": "training and rollout in high precision", "fp8-rollout": "rollout FP8 E4M3 1x128 / 128x128",
                 "fp8-rollout-tis": "fp8-rollout + truncated importance sampling (C = 2)",
                 "jet": "training and rollout FP8 E4M3 1x128 / 128x128, one quantizer",
@@ -164,6 +164,8 @@ def worked_solution(row: dict) -> str:
         value = int(result)
     return " " + "\n".join(lines) + f"\n<answer>{row['answer']}</answer>"
 
+SFT_SEED = 2 * 10**9       # SFT rows are seeded from here up; held-out prompts use EVAL_SEED = 10**9 + 7
+
 @dataclass(frozen=True)
 class SFTSpec:
     "How the base policy is made: model shape, data (chains of these lengths), optimisation."
@@ -182,11 +184,11 @@ class SFTSpec:
     seed: int = 0
 
 def sft_rows(spec: SFTSpec, n: int, offset: int = 0) -> list[dict]:
-    "n chain rows, lengths cycling through `spec.chain_steps`, seeded away from GRPO's prompts (seed >= 10**9)."
+    "n chain rows, lengths cycling through `spec.chain_steps`, seeded apart from GRPO's and the held-out prompts (>= 2 * 10**9)."
     rows = []
     for i in range(offset, offset + n):
         steps = spec.chain_steps[i % len(spec.chain_steps)]
-        task = ArithmeticChainTask(steps=steps, digits=spec.digits, operators="+-", seed=10**9 + spec.seed * 10**6 + i)
+        task = ArithmeticChainTask(steps=steps, digits=spec.digits, operators="+-", seed=SFT_SEED + spec.seed * 10**7 + i)
         rows.append(task.sample(1)[0])
     return rows
 
@@ -249,7 +251,8 @@ def encode_worked(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- presets
-WORKSHOP = ("bf16", "fp8-rollout-tis", "jet", "fp8-rollout", "rollout-tensorwise-e5m2", "rollout-nvfp4", "rollout-fp4-rowwise")
+WORKSHOP = ("bf16", "jet", "fp8-rollout", "rollout-tensorwise-e5m2", "rollout-nvfp4", "rollout-fp4-rowwise")
+
 @dataclass(frozen=True)
 class Preset:
     "One reproduction: the settings every strategy shares, the strategies, the seeds."
@@ -270,14 +273,14 @@ PRESETS = {
     "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
                     _config(steps=2, prompts_per_step=2, group_size=4, record_samples=1), window=1, eval_prompts=16),
     "workshop": Preset("workshop", "CPU, the dose-response: the shipped tiny policy, its rollout precision turned down rung by rung "
-                       "(bf16 -> FP8 E4M3 1x128 -> FP8 E5M2 per tensor -> 4-bit E2M1 1x16 -> 4-bit E2M1 per row), "
-                       "beside fp8-rollout-tis and jet", WORKSHOP, (0, 1),
-                       _config(steps=40, prompts_per_step=8, group_size=8, lr=2e-4, warmup_steps=5, record_samples=1)),
+                       "(bf16 -> FP8 E4M3 1x128 -> FP8 E5M2 per tensor -> 4-bit E2M1 1x16 -> 4-bit E2M1 per row), and jet",
+                       WORKSHOP, (0, 1),
+                       _config(steps=30, prompts_per_step=8, group_size=8, lr=2e-4, warmup_steps=5, record_samples=1)),
     "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~530-token completions",
                   ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet"), (0, 1),
                   _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
                           steps=60, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=1e-4, record_samples=1,
-                          position_bucket=64, micro_batch_size=32),
+                          position_bucket=64, micro_batch_size=32, warmup_steps=5),
                   sft=SFTSpec()),
 }
 
@@ -428,6 +431,16 @@ def position_profile(history: list[dict], parts: int = 3) -> list[tuple[str, lis
         out.append((f"steps {span[0]['step']}-{span[-1]['step']}", positions, [sums[q] / counts[q] for q in positions]))
     return out
 
+CURVE_KEYS = ("accuracy", "reward", "mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "mismatch/is_ratio_min",
+              "mismatch/is_ratio_max", "mismatch/ess", "mismatch/tis_clip_frac", "completions/mean_length")
+
+def curves(histories: dict[tuple[str, int], list[dict]]) -> dict:
+    "The per-step curves and the |dlogp|-by-position profile of every run, small enough to commit beside the results."
+    return {f"{s}_seed{seed}": {"strategy": s, "seed": seed, **{k: [m[k] for m in h] for k in CURVE_KEYS},
+                                "by_position": [{"steps": label, "positions": pos, "logp_abs_diff_mean": val}
+                                                for label, pos, val in position_profile(h)]}
+            for (s, seed), h in histories.items()}
+
 def learning_gain(row: dict) -> float:
     "What training bought: held-out accuracy after - before when measured, else train accuracy last - first window."
     if row.get("eval_accuracy_after") is not None and row.get("eval_accuracy_before") is not None:
@@ -496,6 +509,7 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None) 
     if results is not None:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in rows))
+        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves(histories)) + "\n")
     return table, rows
 
 RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "accuracy_first", "accuracy_last", "diverged",
@@ -554,41 +568,72 @@ def unpack(source: Path, out: Path) -> int:
 
 
 # ---------------------------------------------------------------- the plan: sizes and a time estimate
-def plan(preset: Preset, out: Path, device: str, measure_steps: int = 2, log=print) -> dict:
-    """State sizes a device call must carry, and seconds per GRPO step measured here at a small size. For the GPU
-    preset the CPU measures the same model shape with 64 new tokens and 4 x 4 rows; the step cost scales about
-    linearly with rows x tokens (decode) plus the trainer's share, which the printout separates."""
+# One GRPO step through jetrl on an H200 (DESIGN.md section 4, measured 2026-12-01): 0.5B Qwen2 shape (24 layers,
+# 494M parameters), 256 rows x 512 new tokens, eager trainer. The GPU estimate scales it two ways (below).
+H200_STEP = {"params": 494e6, "layers": 24, "rows": 256, "new_tokens": 512,
+             "seconds": {"bf16": 5.4, "fp8-rollout": 7.9, "fp8-rollout-tis": 7.9, "jet": 15.1}}
+
+def _param_count(s: SFTSpec) -> int:
+    head_dim = s.hidden_size // s.heads
+    per_layer = (2 * s.hidden_size * s.hidden_size + 2 * s.hidden_size * head_dim * s.kv_heads   # q, o; k, v
+                 + s.hidden_size + 2 * head_dim * s.kv_heads                                        # q, k, v biases
+                 + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
+    return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
+
+def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict:
+    """What a run of `preset` will carry and cost, from a measurement here at a small size.
+
+    Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. Time: GRPO
+    steps of every strategy at 4 x 4 rows and 64 new tokens (the GPU preset's model shape, a tiny SFT), timed here;
+    each extrapolated to the preset's rows and tokens by FLOPs (trainer: 10 x params x tokens, i.e. forward +
+    backward + two no-grad forwards; rollout: rows x new tokens). For the GPU, H200_STEP is scaled two ways: by
+    FLOPs (a floor: small models use the GPU less well) and by decode steps x layers (launch-bound decode)."""
+    import tempfile
     info = {"preset": preset.name, "device": device}
     if preset.sft is not None:
-        s = preset.sft
-        per_layer = (s.hidden_size * s.hidden_size * 2 + 2 * s.hidden_size * (s.hidden_size // s.heads) * s.kv_heads
-                     + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)
-        params = s.layers * per_layer + 512 * s.hidden_size + s.hidden_size
+        params = _param_count(preset.sft)
         info |= {"model_params": params, "base_bf16_MiB": round(2 * params / MiB, 1),
                  "run_checkpoint_bf16_MiB": round(6 * params / MiB, 1)}
-        log(f"model: {params / 1e6:.1f}M parameters; base policy {2 * params / MiB:.1f} MiB in bf16; a run's checkpoint "
-            f"(weights + AdamW moments, bf16) {6 * params / MiB:.1f} MiB: a call must end at a run boundary when that does not fit "
-            f"beside the base in {PACK_BYTES / MiB:.0f} MiB")
-    with __import__("tempfile").TemporaryDirectory() as tmp:
-        small = preset
+        log(f"model: {params / 1e6:.1f}M parameters; the base policy {2 * params / MiB:.0f} MiB in bf16; a run's checkpoint "
+            f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
+            f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's checkpoint out).")
+    with tempfile.TemporaryDirectory() as tmp:
+        small_train = replace(preset.train, steps=measure_steps, prompts_per_step=4, grpo=replace(preset.train.grpo, num_generations=4),
+                              max_new_tokens=64)
+        small = replace(preset, seeds=(0,), eval_prompts=0, train=small_train)
         if preset.sft is not None:
-            tiny_sft = replace(preset.sft, steps=1, batch_size=2, chain_steps=(4,))
-            small = replace(preset, sft=tiny_sft, seeds=(0,),
-                            train=replace(preset.train, steps=measure_steps, prompts_per_step=4, group_size=4,
-                                          grpo=replace(preset.train.grpo, num_generations=4), max_new_tokens=64,
-                                          task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 4))))
-        else:
-            small = replace(preset, seeds=(0,), train=replace(preset.train, steps=measure_steps))
-        timings = {}
+            small = replace(small, sft=replace(preset.sft, steps=1, batch_size=2, chain_steps=(4,)),
+                            train=replace(small_train, task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 4))))
+        measured, estimates = {}, {}
+        model_name = str(Path(tmp) / "base") if preset.sft is not None else preset.train.model
         for s in preset.strategies:
-            small_one = replace(small, strategies=(s,))
-            run_all(small_one, Path(tmp), device, time.time() + 3600, log=lambda *_: None)
-            h = read_metrics(run_dir(Path(tmp), s, 0))[1]
-            timings[s] = {k: round(_mean([m[f"time/{k}"] for m in h[1:] or h]), 3) for k in ("step", "rollout", "train")}
-            log(f"{s:24s} measured here: {timings[s]}")
-        info["seconds_per_step_measured"] = timings
-        info["measured_at"] = {"prompts_per_step": small.train.prompts_per_step, "group_size": small.train.grpo.num_generations,
-                               "max_new_tokens": small.train.max_new_tokens}
+            run_all(replace(small, strategies=(s,)), Path(tmp), device, math.inf, log=lambda *_: None)
+            h = read_metrics(run_dir(Path(tmp), s, 0))[1][1:] or read_metrics(run_dir(Path(tmp), s, 0))[1]
+            measured[s] = {k: round(_mean([m[f"time/{k}"] for m in h]), 3) for k in ("step", "rollout", "train")}
+            measured[s]["completion_tokens"] = round(_mean([m["completions/mean_length"] for m in h]), 1)
+        params = _count_params(model_name)
+        tokenizer = load_model_and_tokenizer(model_name)[1]
+        full_prompt = _mean([len(tokenizer(r["prompt"])["input_ids"]) for r in eval_rows(replace(preset, eval_prompts=16))])
+        small_prompt = _mean([len(tokenizer(r["prompt"])["input_ids"]) for r in eval_rows(replace(small, eval_prompts=16))])
+        rows_full, rows_small = preset.train.rows_per_step, small.train.rows_per_step
+        for s, m in measured.items():
+            train_ratio = (rows_full * (full_prompt + preset.train.max_new_tokens)) / (rows_small * (small_prompt + m["completion_tokens"]))
+            decode_ratio = rows_full * preset.train.max_new_tokens / (rows_small * max(m["completion_tokens"], 1))
+            here = m["train"] * train_ratio + m["rollout"] * decode_ratio
+            estimates[s] = {"seconds_per_step_here": round(here, 1)}
+            if s in H200_STEP["seconds"] and preset.sft is not None:
+                flops = (params * rows_full * (full_prompt + preset.train.max_new_tokens)) / (
+                    H200_STEP["params"] * H200_STEP["rows"] * (full_prompt + H200_STEP["new_tokens"]))
+                launches = preset.train.max_new_tokens * preset.sft.layers / (H200_STEP["new_tokens"] * H200_STEP["layers"])
+                estimates[s]["h200_seconds_per_step"] = [round(H200_STEP["seconds"][s] * flops, 2), round(H200_STEP["seconds"][s] * launches, 2)]
+            log(f"{s:18s} measured here at {rows_small} rows x {m['completion_tokens']:.0f} tokens: {m}; at the preset's size: "
+                f"{estimates[s]}")
+        info |= {"measured_here": measured, "measured_at": {"rows": rows_small, "new_tokens": small.train.max_new_tokens},
+                 "prompt_tokens": {"measured": round(small_prompt, 1), "preset": round(full_prompt, 1)}, "estimates": estimates}
+        if all("h200_seconds_per_step" in e for e in estimates.values()):
+            runs = preset.train.steps * sum(e["h200_seconds_per_step"][1] for e in estimates.values()) * len(preset.seeds)
+            info["h200_grpo_minutes_upper"] = round(runs / 60, 1)
+            log(f"all GRPO runs on an H200, the launch-bound (upper) estimate: {runs / 60:.0f} min, plus the SFT and start-up")
     return info
 
 
@@ -632,7 +677,7 @@ def main(argv=None) -> int:
     try:
         preset = preset_from_args(args)
         if args.plan:
-            print(json.dumps(plan(preset, args.out, args.device), indent=1)); return 0
+            print(json.dumps(plan(preset, args.device), indent=1)); return 0
         if args.unpack: print(f"unpacked {unpack(args.unpack, args.out) / MiB:.1f} MiB into {args.out}")
         done = run_all(preset, args.out, args.device, deadline)
         device = "gpu" if args.device.startswith("cuda") else "cpu"

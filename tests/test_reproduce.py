@@ -55,13 +55,22 @@ def test_worked_solution_is_correct_and_long():
     assert chain_steps_reward([row["prompt"]], [solution], [row["intermediate"]]) == [1.0]
 
 
-def test_every_preset_shares_all_settings_but_the_strategy():
-    for preset in R.PRESETS.values():
-        configs = [R.replace(preset.train, strategy=s) for s in preset.strategies]
-        assert {json.dumps({k: v for k, v in c.to_dict().items() if k != "strategy"}, sort_keys=True) for c in configs} \
-            .__len__() == 1
-        assert set(preset.strategies) <= set(R.VARIANTS)
-    assert R.PRESETS["gpu"].train.max_new_tokens >= 512 and len(R.PRESETS["gpu"].seeds) > 1
+def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
+    preset = R.replace(R.PRESETS["smoke"], train=R.replace(R.PRESETS["smoke"].train, steps=1), eval_prompts=4)
+    assert R.run_all(preset, tmp_path / "out", "cpu", math.inf, log=lambda *_: None)
+    logged = {s: R.read_metrics(R.run_dir(tmp_path / "out", s, 0)) for s in preset.strategies}
+    configs = [{k: v for k, v in config.items() if k != "strategy"} for config, _ in logged.values()]
+    assert all(c == configs[0] for c in configs)                                  # one config but the strategy name
+    prompts = [[sample["prompt"] for sample in history[0]["samples"]] for _, history in logged.values()]
+    assert all(p == prompts[0] for p in prompts)                                  # the same prompts
+    results = tmp_path / "results.jsonl"
+    table, rows = R.write_report(preset, tmp_path / "out", "cmd", results)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["strategy"], r["seed"]) for r in lines] == [(s, 0) for s in preset.strategies]
+    assert all(set(R.RESULT_KEYS) <= set(r) and r["model_params"] > 3_000_000 for r in lines)
+    assert lines[0]["logp_abs_diff_mean"] < 1e-5 < lines[1]["logp_abs_diff_mean"]   # bf16, then fp8-rollout
+    assert json.loads((tmp_path / "results_curves.json").read_text()).keys() == {"bf16_seed0", "fp8-rollout_seed0"}
+    assert (tmp_path / "out" / "report.html").stat().st_size > 0 and "| `fp8-rollout` |" in table
 
 
 def test_fp4_rollout_policy_quantizes_only_the_rollout_side():
