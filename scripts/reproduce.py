@@ -231,7 +231,8 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
         step += 1
     model.eval().to("cpu", torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model.generation_config.pad_token_id = 0
-    model.save_pretrained(folder); tokenizer.save_pretrained(folder)
+    from jetrl.models import no_progress_bars
+    with no_progress_bars(): model.save_pretrained(folder); tokenizer.save_pretrained(folder)
     (folder / "sft.json").write_text(json.dumps(asdict(spec) | {"params": sum(p.numel() for p in model.parameters())}, indent=1))
     state_file.unlink(missing_ok=True)
     return True
@@ -465,15 +466,16 @@ def report_figure(histories: dict[tuple[str, int], list[dict]], rows: list[dict]
                               (4, "mismatch/ess", (2, 2))):
             fig.add_trace(go.Scatter(x=steps, y=mean_of(key), name=s, legendgroup=s, showlegend=p == 0,
                                      line=dict(color=color)), *panel)
-        profiles = [position_profile(h)[-1] for h in seeds]
-        fig.add_trace(go.Scatter(x=profiles[0][1], y=[_mean(v) for v in zip(*[pr[2] for pr in profiles])], name=s,
+        by_position = {}                                                  # position -> that bucket's |dlogp| in each seed
+        for _, positions, values in (position_profile(h)[-1] for h in seeds):
+            for q, v in zip(positions, values): by_position.setdefault(q, []).append(v)
+        fig.add_trace(go.Scatter(x=sorted(by_position), y=[_mean(by_position[q]) for q in sorted(by_position)], name=s,
                                  legendgroup=s, showlegend=False, line=dict(color=color)), 1, 3)
         r = [row for row in rows if row["strategy"] == s]
         fig.add_trace(go.Scatter(x=[x["logp_abs_diff_mean"] for x in r], y=[learning_gain(x) for x in r],
                                  mode="markers", marker=dict(color=color, size=9), name=s, legendgroup=s, showlegend=False,
                                  text=[f"seed {x['seed']}" for x in r]), 2, 3)
-    for panel in ((1, 2), (1, 3), (2, 3)):
-        fig.update_yaxes(type="log", row=panel[0], col=panel[1]) if panel != (2, 3) else fig.update_xaxes(type="log", row=2, col=3)
+    fig.update_yaxes(type="log", row=1, col=2); fig.update_yaxes(type="log", row=1, col=3); fig.update_xaxes(type="log", row=2, col=3)
     fig.update_xaxes(title_text="step", row=1, col=1); fig.update_xaxes(title_text="token position", row=1, col=3)
     fig.update_xaxes(title_text="mean |dlogp| over the run", row=2, col=3); fig.update_yaxes(title_text="accuracy gain", row=2, col=3)
     fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision")
@@ -602,7 +604,7 @@ def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict
                               max_new_tokens=64)
         small = replace(preset, seeds=(0,), eval_prompts=0, train=small_train)
         if preset.sft is not None:
-            small = replace(small, sft=replace(preset.sft, steps=1, batch_size=2, chain_steps=(4,)),
+            small = replace(small, sft=replace(preset.sft, steps=1, batch_size=2),     # the preset's tokenizer, one SFT step
                             train=replace(small_train, task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 4))))
         measured, estimates = {}, {}
         model_name = str(Path(tmp) / "base") if preset.sft is not None else preset.train.model
