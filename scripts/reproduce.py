@@ -570,10 +570,24 @@ def unpack(source: Path, out: Path) -> int:
 
 
 # ---------------------------------------------------------------- the plan: sizes and a time estimate
-# One GRPO step through jetrl on an H200 (DESIGN.md section 4, measured 2026-12-01): 0.5B Qwen2 shape (24 layers,
-# 494M parameters), 256 rows x 512 new tokens, eager trainer. The GPU estimate scales it two ways (below).
-H200_STEP = {"params": 494e6, "layers": 24, "rows": 256, "new_tokens": 512,
-             "seconds": {"bf16": 5.4, "fp8-rollout": 7.9, "fp8-rollout-tis": 7.9, "jet": 15.1}}
+H200_STEPS = REPO / "benchmarks" / "results" / "grpo_step_h200.jsonl"   # `benchmarks/grpo_step.py` on one H200
+QWEN2_05B = {"params": 494e6, "layers": 24}                                # the shape of its 'qwen2-0.5b' rows
+
+def h200_step_anchor(path: Path = H200_STEPS) -> dict | None:
+    "The newest measured 0.5B GRPO step per strategy (fast mode) from `path`: rows, tokens, seconds; None without the file."
+    if not path.exists(): return None
+    newest = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("model") != "qwen2-0.5b" or r.get("mode") != "fast": continue
+        if r["strategy"] not in newest or r["run"] > newest[r["strategy"]]["run"]: newest[r["strategy"]] = r
+    if "bf16" not in newest: return None
+    seconds = {s: r["step_s"] for s, r in newest.items()}
+    if "fp8-rollout" in seconds: seconds["fp8-rollout-tis"] = seconds["fp8-rollout"]   # TIS adds no GEMM
+    first = newest["bf16"]
+    return QWEN2_05B | {"rows": first["prompts"] * first["samples"], "new_tokens": first["new_tokens"],
+                        "prompt_len": first["prompt_len"], "seconds": seconds,
+                        "source": f"{path.relative_to(REPO)} ({', '.join(sorted({r['run'] for r in newest.values()}))})"}
 
 def _param_count(s: SFTSpec) -> int:
     head_dim = s.hidden_size // s.heads
@@ -588,8 +602,9 @@ def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict
     Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. Time: GRPO
     steps of every strategy at 4 x 4 rows and 64 new tokens (the GPU preset's model shape, a tiny SFT), timed here;
     each extrapolated to the preset's rows and tokens by FLOPs (trainer: 10 x params x tokens, i.e. forward +
-    backward + two no-grad forwards; rollout: rows x new tokens). For the GPU, H200_STEP is scaled two ways: by
-    FLOPs (a floor: small models use the GPU less well) and by decode steps x layers (launch-bound decode)."""
+    backward + two no-grad forwards; rollout: rows x new tokens). For the GPU, the newest measured H200 GRPO step
+    of the 0.5B shape (`h200_step_anchor`) is scaled two ways: by FLOPs (a floor: small models use the GPU less
+    well) and by decode steps x layers (an upper bound when decode is launch-bound)."""
     import tempfile
     info = {"preset": preset.name, "device": device}
     if preset.sft is not None:
@@ -606,7 +621,9 @@ def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict
         if preset.sft is not None:
             small = replace(small, sft=replace(preset.sft, steps=1, batch_size=2),     # the preset's tokenizer, one SFT step
                             train=replace(small_train, task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 4))))
-        measured, estimates = {}, {}
+        measured, estimates, anchor = {}, {}, h200_step_anchor()
+        if anchor: info["h200_anchor"] = anchor
+        else: log(f"no H200 estimate: {H200_STEPS.relative_to(REPO)} (measured GRPO steps on an H200) is missing")
         model_name = str(Path(tmp) / "base") if preset.sft is not None else preset.train.model
         for s in preset.strategies:
             run_all(replace(small, strategies=(s,)), Path(tmp), device, math.inf, log=lambda *_: None)
@@ -623,11 +640,11 @@ def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict
             decode_ratio = rows_full * preset.train.max_new_tokens / (rows_small * max(m["completion_tokens"], 1))
             here = m["train"] * train_ratio + m["rollout"] * decode_ratio
             estimates[s] = {"seconds_per_step_here": round(here, 1)}
-            if s in H200_STEP["seconds"] and preset.sft is not None:
+            if anchor and s in anchor["seconds"] and preset.sft is not None:
                 flops = (params * rows_full * (full_prompt + preset.train.max_new_tokens)) / (
-                    H200_STEP["params"] * H200_STEP["rows"] * (full_prompt + H200_STEP["new_tokens"]))
-                launches = preset.train.max_new_tokens * preset.sft.layers / (H200_STEP["new_tokens"] * H200_STEP["layers"])
-                estimates[s]["h200_seconds_per_step"] = [round(H200_STEP["seconds"][s] * flops, 2), round(H200_STEP["seconds"][s] * launches, 2)]
+                    anchor["params"] * anchor["rows"] * (anchor["prompt_len"] + anchor["new_tokens"]))
+                launches = preset.train.max_new_tokens * preset.sft.layers / (anchor["new_tokens"] * anchor["layers"])
+                estimates[s]["h200_seconds_per_step"] = [round(anchor["seconds"][s] * flops, 2), round(anchor["seconds"][s] * launches, 2)]
             log(f"{s:18s} measured here at {rows_small} rows x {m['completion_tokens']:.0f} tokens: {m}; at the preset's size: "
                 f"{estimates[s]}")
         info |= {"measured_here": measured, "measured_at": {"rows": rows_small, "new_tokens": small.train.max_new_tokens},
