@@ -1,0 +1,719 @@
+"""Reproduce Jet-RL's finding: GRPO under bf16, fp8-rollout, fp8-rollout-tis and jet (and a ladder of coarser
+rollout precisions), same prompts, seeds and settings; one command, one seed list, one report.
+
+    python scripts/reproduce.py --preset workshop --out runs/reproduce        # CPU, the dose-response
+    python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 540   # run it again to resume
+    python scripts/reproduce.py --preset gpu --plan                          # state sizes and time estimates only
+
+What it does, in order, each stage resumable (run the same command again to continue; nothing is redone):
+1. (presets with `sft`) train the base policy from scratch on jetrl's arithmetic chains with worked solutions
+   (one line `a + b = c` per step), so that its completions are long;
+2. GRPO for every (seed, strategy), in that order, with `jetrl.train.train`: identical TrainConfig but for the
+   strategy name; a run checkpoints every step and resumes after its last checkpoint;
+3. the report: OUT/report.html, OUT/table.md (paper-shaped), OUT/summary.jsonl, and the results file
+   (one object per (strategy, seed)).
+
+`--time-budget S` stops at a step boundary before S seconds have passed (a run's next step is started only if
+the mean step time so far fits), so a GPU machine lent in calls of at most 10 minutes can spread the work over
+several calls. `--pack DIR` writes the whole OUT folder as a few gzip'd tar parts of at most 15 MiB each (64 MiB in
+all, or it stops and says which files are too big); `--unpack DIR` restores it before the work starts.
+
+Learning is scored twice: the train accuracy (sampled, new prompts every step: noisy) and the held-out accuracy of
+the master weights before and after training (256 fixed prompts x 4 samples at the training temperature).
+
+Deviations from the paper, stated once: models of 3-22M parameters, not 7-32B; synthetic tasks with exact rewards;
+the rollout engine is jetrl's own; the rungs below FP8 (`rollout-nvfp4`, `rollout-mxfp4`, `rollout-fp4-rowwise`)
+emulate 4-bit E2M1 with the fake quantizer of this script, for the dose-response only (jetrl has no FP4 kernel).
+"""
+from __future__ import annotations
+
+import argparse, copy, io, json, math, re, shlex, sys, tarfile, time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from jetrl.grpo import GRPOConfig
+from jetrl.linear import RECIPES, FP8Recipe, fp8_modules, set_recipe
+from jetrl.policy import STRATEGIES, Policy, PrecisionSpec, SyncReport, load_model_and_tokenizer
+from jetrl.tasks import STEP_WORDS, ArithmeticChainTask, get_task, number_reward
+from jetrl.train import TrainConfig, read_metrics, train
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 2**20
+PART_BYTES = 15 * MiB          # a packed part: under the device tool's 16 MiB a file
+PACK_BYTES = 64 * MiB          # all parts together: the device tool's 64 MiB
+DIVERGENCE_DROP = 0.10         # diverged: the held-out accuracy, or the train accuracy's last window, more than this
+                               # below where it started (or a non-finite loss / gradient norm); one rule for every run
+
+
+# ---------------------------------------------------------------- rollout precisions below FP8 (dose-response)
+E2M1_MAX = 6.0                 # the largest 4-bit E2M1 value: the grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    "Round (already scaled) values to the nearest E2M1 value, ties to even, saturating at +-6."
+    a = x.abs().clamp(max=E2M1_MAX)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))        # the grid spacing of each binade
+    return torch.sign(x) * torch.round(a / step) * step
+
+def fake_quantize_fp4(x: torch.Tensor, block: int, pow2_scale: bool) -> torch.Tensor:
+    """x (..., K) quantized to E2M1 in groups of `block` along K, each with its own scale amax / 6 (NVFP4-like,
+    fp32 scales) or that scale rounded up to a power of two (MXFP4-like), then dequantized: the values an FP4
+    GEMM would multiply. K must be a multiple of `block`; `block` 0 takes whole rows (one scale per row)."""
+    *lead, K = x.shape
+    block = block or K                                                  # 0: one scale per row
+    if K % block: raise ValueError(f"FP4 groups of {block} need K to be a multiple of {block}, got K = {K}: "
+                                   "choose a group size that divides K, or 0 for one scale per row")
+    groups = x.float().reshape(*lead, K // block, block)
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / E2M1_MAX
+    if pow2_scale: scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return (e2m1_round(groups / scale) * scale).reshape(x.shape).to(x.dtype)
+
+class FP4RolloutLinear(nn.Module):
+    "A rollout-only linear whose weight and input are both fake-quantized to E2M1 (see `fake_quantize_fp4`)."
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, block: int, pow2_scale: bool):
+        super().__init__()
+        self.block, self.pow2_scale = block, pow2_scale
+        self.register_buffer("weight_q", torch.empty_like(weight))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.load_weight(weight, bias)
+
+    def load_weight(self, hp_weight: torch.Tensor, bias: torch.Tensor | None):
+        "The weight sync: quantize the trainer's high-precision weight once."
+        self.weight_q.copy_(fake_quantize_fp4(hp_weight.detach(), self.block, self.pow2_scale))
+        if bias is not None: self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fake_quantize_fp4(x, self.block, self.pow2_scale).float() @ self.weight_q.float().t()
+        if self.bias is not None: y = y + self.bias.float()
+        return y.to(x.dtype)
+
+class FP4RolloutPolicy(Policy):
+    "High-precision training, a separate rollout copy in 4-bit E2M1 (weights and activations): the ladder's bottom rungs."
+
+    def __init__(self, model, tokenizer, spec: PrecisionSpec, device, block: int, pow2_scale: bool):
+        self.fp4_block, self.fp4_pow2 = block, pow2_scale
+        super().__init__(model, tokenizer, spec, device)
+
+    def sync_weights(self):
+        if not getattr(self, "_fp4_ready", False):                  # first call: swap the FP8 copy's linears for FP4 ones
+            rollout = self.rollout_model
+            for fqn, m in fp8_modules(self.model).items():
+                parent, _, child = fqn.rpartition(".")
+                setattr(rollout.get_submodule(parent), child,
+                        FP4RolloutLinear(m.weight, m.bias, self.fp4_block, self.fp4_pow2).to(m.weight.device))
+            self._fp4_ready = True
+        start, n, nbytes = time.perf_counter(), 0, 0
+        with torch.no_grad():
+            rollout_modules = dict(self.rollout_model.named_modules())
+            for fqn, m in fp8_modules(self.model).items():
+                rollout_modules[fqn].load_weight(m.weight, m.bias); n += 1; nbytes += m.weight.numel() // 2
+            handed_over = {f"{fqn}.{name}" for fqn in fp8_modules(self.model) for name in ("weight", "bias")}
+            rollout_state = self.rollout_model.state_dict(keep_vars=True)
+            for key, value in [*self.model.named_parameters(), *self.model.named_buffers()]:
+                if key in handed_over or key not in rollout_state: continue
+                rollout_state[key].data.copy_(value.data)
+        self.last_sync = SyncReport(n, 0, nbytes, time.perf_counter() - start)
+        return self.last_sync
+
+def _rollout_spec(name: str, recipe: FP8Recipe) -> PrecisionSpec:
+    return PrecisionSpec(name, rollout_recipe=recipe, shared_weights=False)
+
+# name -> (PrecisionSpec, FP4 options or None). The ladder turns only the rollout side down; training stays high precision.
+VARIANTS: dict[str, tuple[PrecisionSpec, dict | None]] = {
+    **{name: (STRATEGIES[name], None) for name in ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet")},
+    "rollout-rowwise": (_rollout_spec("rollout-rowwise", RECIPES["rowwise"]), None),
+    "rollout-tensorwise": (_rollout_spec("rollout-tensorwise", RECIPES["tensorwise"]), None),
+    "rollout-tensorwise-e5m2": (_rollout_spec("rollout-tensorwise-e5m2",
+                                              FP8Recipe("tensorwise-e5m2", "tensorwise", act_fmt="e5m2", weight_fmt="e5m2")), None),
+    "rollout-nvfp4": (_rollout_spec("rollout-nvfp4", RECIPES["blockwise"]), {"block": 16, "pow2_scale": False}),
+    "rollout-mxfp4": (_rollout_spec("rollout-mxfp4", RECIPES["blockwise"]), {"block": 32, "pow2_scale": True}),
+    "rollout-fp4-rowwise": (_rollout_spec("rollout-fp4-rowwise", RECIPES["blockwise"]), {"block": 0, "pow2_scale": False}),
+}
+DESCRIPTIONS = {"bf16": "training and rollout in high precision", "fp8-rollout": "rollout FP8 E4M3 1x128 / 128x128",
+                "fp8-rollout-tis": "fp8-rollout + truncated importance sampling (C = 2)",
+                "jet": "training and rollout FP8 E4M3 1x128 / 128x128, one quantizer",
+                "rollout-rowwise": "rollout FP8 E4M3 per row", "rollout-tensorwise": "rollout FP8 E4M3 per tensor",
+                "rollout-tensorwise-e5m2": "rollout FP8 E5M2 per tensor",
+                "rollout-nvfp4": "rollout 4-bit E2M1, 1x16 groups, fp32 scales (emulated)",
+                "rollout-mxfp4": "rollout 4-bit E2M1, 1x32 groups, power-of-two scales (emulated)",
+                "rollout-fp4-rowwise": "rollout 4-bit E2M1, one scale per row (emulated)"}
+
+def build_policy(variant: str, model_name: str, device: str) -> Policy:
+    "The policy of `variant` (a name of VARIANTS) over a fresh copy of `model_name`."
+    if variant not in VARIANTS: raise ValueError(f"unknown strategy {variant!r}: choose from {sorted(VARIANTS)}")
+    spec, fp4 = VARIANTS[variant]
+    model, tokenizer = load_model_and_tokenizer(model_name)
+    if fp4 is None: return Policy(model, tokenizer, spec, device=device)
+    return FP4RolloutPolicy(model, tokenizer, spec, device, **fp4)
+
+
+# ---------------------------------------------------------------- the base policy of the GPU preset: long worked solutions
+STEP_PATTERN = re.compile("(" + "|".join(re.escape(w.split(" {}")[0].capitalize()) for w in STEP_WORDS.values()) + r") (\d+)\.")
+WORD_OPERATOR = {w.split(" {}")[0].capitalize(): op for op, w in STEP_WORDS.items()}
+
+def worked_solution(row: dict) -> str:
+    "The completion SFT teaches for an arithmetic-chain row: one line `a op b = c` per step, then the tagged answer."
+    start = int(re.search(r"Start with (-?\d+)\.", row["prompt"]).group(1))
+    moves = STEP_PATTERN.findall(row["prompt"])
+    lines, value = [], start
+    for (word, number), result in zip(moves, row["intermediate"], strict=True):
+        lines.append(f"{value} {WORD_OPERATOR[word]} {number} = {result}")
+        value = int(result)
+    return " " + "\n".join(lines) + f"\n<answer>{row['answer']}</answer>"
+
+SFT_SEED = 2 * 10**9       # SFT rows are seeded from here up; held-out prompts use EVAL_SEED = 10**9 + 7
+
+@dataclass(frozen=True)
+class SFTSpec:
+    "How the base policy is made: model shape, data (chains of these lengths), optimisation."
+    hidden_size: int = 512
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate_size: int = 1408
+    max_positions: int = 1536
+    chain_steps: tuple[int, ...] = (4, 8, 16, 32, 48)   # the SFT mix; GRPO uses the preset's task
+    digits: int = 2
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    seed: int = 0
+
+def sft_rows(spec: SFTSpec, n: int, offset: int = 0) -> list[dict]:
+    "n chain rows, lengths cycling through `spec.chain_steps`, seeded apart from GRPO's and the held-out prompts (>= 2 * 10**9)."
+    rows = []
+    for i in range(offset, offset + n):
+        steps = spec.chain_steps[i % len(spec.chain_steps)]
+        task = ArithmeticChainTask(steps=steps, digits=spec.digits, operators="+-", seed=SFT_SEED + spec.seed * 10**7 + i)
+        rows.append(task.sample(1)[0])
+    return rows
+
+def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float, log=print) -> bool:
+    "Train the base policy into `folder` (resumable: `folder/sft_state.pt`); True when done, False at the deadline."
+    from jetrl.tiny import build_tokenizer, lr_at
+    from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
+    if (folder / "config.json").exists(): return True
+    folder.mkdir(parents=True, exist_ok=True)
+    state_file, tok_dir = folder / "sft_state.pt", folder / "tokenizer"
+    if tok_dir.exists(): tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    else:
+        texts = [t for row in sft_rows(spec, 2000) for t in (row["prompt"], worked_solution(row))]
+        tokenizer = build_tokenizer(texts); tokenizer.save_pretrained(tok_dir)
+    torch.manual_seed(spec.seed)
+    config = Qwen2Config(vocab_size=512, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                         head_dim=spec.hidden_size // spec.heads, max_position_embeddings=spec.max_positions,
+                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = Qwen2ForCausalLM(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    step = 0
+    if state_file.exists():
+        state = torch.load(state_file, map_location=device)
+        model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"]); step = state["step"]
+    model.train()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    start = time.perf_counter()
+    while step < spec.steps:
+        if time.time() > deadline:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_file)
+            log(f"sft: stopped at step {step} (time budget); run again to continue"); return False
+        rows = sft_rows(spec, spec.batch_size, offset=step * spec.batch_size)
+        batch = {k: v.to(device) for k, v in encode_worked(tokenizer, rows).items()}
+        for group in optimizer.param_groups: group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup_steps)
+        with autocast: loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True); loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
+        if step % 100 == 0: log(f"sft step {step:5d} loss {loss.item():.4f} {time.perf_counter() - start:7.1f} s")
+        step += 1
+    model.eval().to("cpu", torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model.generation_config.pad_token_id = 0
+    from jetrl.models import no_progress_bars
+    with no_progress_bars(): model.save_pretrained(folder); tokenizer.save_pretrained(folder)
+    (folder / "sft.json").write_text(json.dumps(asdict(spec) | {"params": sum(p.numel() for p in model.parameters())}, indent=1))
+    state_file.unlink(missing_ok=True)
+    return True
+
+def encode_worked(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
+    "A right-padded SFT batch (B, T): prompt, worked solution, EOS; labels -100 except on the solution and EOS."
+    pairs = [(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"],
+              tokenizer(worked_solution(row), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for row in rows]
+    T = max(len(p) + len(c) for p, c in pairs)
+    input_ids = torch.full((len(pairs), T), tokenizer.pad_token_id)
+    labels, attention_mask = torch.full((len(pairs), T), -100), torch.zeros((len(pairs), T), dtype=torch.long)
+    for b, (p, c) in enumerate(pairs):
+        input_ids[b, :len(p) + len(c)] = torch.tensor(p + c)
+        labels[b, len(p):len(p) + len(c)] = torch.tensor(c)
+        attention_mask[b, :len(p) + len(c)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+# ---------------------------------------------------------------- presets
+WORKSHOP = ("bf16", "jet", "fp8-rollout", "rollout-tensorwise-e5m2", "rollout-nvfp4", "rollout-fp4-rowwise")
+
+@dataclass(frozen=True)
+class Preset:
+    "One reproduction: the settings every strategy shares, the strategies, the seeds."
+    name: str
+    description: str
+    strategies: tuple[str, ...]
+    seeds: tuple[int, ...]
+    train: TrainConfig                       # strategy and seed are set per run; everything else is shared
+    sft: SFTSpec | None = None               # build the base policy first (the model name is then OUT/base)
+    window: int = 5                          # steps averaged for accuracy_first / accuracy_last
+    eval_prompts: int = 256                  # held-out prompts scored before and after training (0: none)
+
+def _config(**kw) -> TrainConfig:
+    G = kw.pop("group_size", 8)
+    return TrainConfig(**{"grpo": GRPOConfig(num_generations=G, loss_type="dapo", max_completion_length=kw.get("max_new_tokens", 12)), **kw})
+
+PRESETS = {
+    "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
+                    _config(steps=2, prompts_per_step=2, group_size=4, record_samples=1), window=1, eval_prompts=16),
+    "workshop": Preset("workshop", "CPU, the dose-response: the shipped tiny policy, its rollout precision turned down rung by rung "
+                       "(bf16 -> FP8 E4M3 1x128 -> FP8 E5M2 per tensor -> 4-bit E2M1 1x16 -> 4-bit E2M1 per row), and jet",
+                       WORKSHOP, (0, 1),
+                       _config(steps=30, prompts_per_step=8, group_size=8, lr=2e-4, warmup_steps=5, record_samples=1)),
+    "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~530-token completions",
+                  ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet"), (0, 1),
+                  _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
+                          steps=60, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=1e-4, record_samples=1,
+                          position_bucket=64, micro_batch_size=32, warmup_steps=5),
+                  sft=SFTSpec()),
+}
+
+
+# ---------------------------------------------------------------- running, resumably
+EVAL_SEED = 10**9 + 7      # held-out prompts; GRPO's are seeded run_seed * 1_000_003 + step, far below
+
+def eval_rows(preset: Preset) -> list[dict]:
+    "The held-out prompts: the preset's task, seeded apart from every training prompt."
+    task = get_task(preset.train.task, **dict(preset.train.task_knobs))
+    return replace(task, seed=EVAL_SEED).sample(preset.eval_prompts)
+
+EVAL_SAMPLES = 4           # completions per held-out prompt
+
+@torch.no_grad()
+def held_out_accuracy(model: nn.Module, tokenizer, rows: list[dict], config: TrainConfig) -> float:
+    """Accuracy on `rows` at the training temperature (EVAL_SAMPLES completions each, a fixed sampling seed) of the
+    master weights in high precision: a copy of `model` with every FP8 linear switched to 'bf16', so that every
+    strategy is scored the same way (the paper scores its checkpoints, not its sampler)."""
+    from jetrl.rollout import RolloutEngine, SamplingParams
+    hp_model = set_recipe(copy.deepcopy(model), "bf16").eval()
+    params = SamplingParams(n=EVAL_SAMPLES, max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=EVAL_SEED)
+    rollout = RolloutEngine(hp_model, tokenizer).generate([r["prompt"] for r in rows], params)
+    answers = [r["answer"] for r in rows for _ in range(EVAL_SAMPLES)]
+    return sum(number_reward(rollout.prompts, rollout.completions, answers)) / len(answers)
+
+def base_accuracy(preset: Preset, out: Path, model_name: str, device: str) -> float | None:
+    "The held-out accuracy of the starting policy (the same for every strategy), computed once into OUT/eval_base.json."
+    if not preset.eval_prompts: return None
+    file = out / "eval_base.json"
+    if not file.exists():
+        policy = build_policy("bf16", model_name, device)
+        accuracy = held_out_accuracy(policy.model, policy.tokenizer, eval_rows(preset), preset.train)
+        out.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps({"accuracy": accuracy, "prompts": preset.eval_prompts, "samples": EVAL_SAMPLES,
+                                    "seed": EVAL_SEED}) + "\n")
+    return json.loads(file.read_text())["accuracy"]
+
+def run_dir(out: Path, strategy: str, seed: int) -> Path: return out / "runs" / f"{strategy}_seed{seed}"
+
+def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) -> bool:
+    "Every (seed, strategy) run of `preset`, in order; True when all are done, False when the deadline stopped it."
+    model = preset.train.model
+    if preset.sft is not None:
+        if not train_base_policy(preset.sft, out / "base", device, deadline, log): return False
+        model = str(out / "base")
+    base_accuracy(preset, out, model, device)
+    for seed in preset.seeds:
+        for strategy in preset.strategies:
+            folder = run_dir(out, strategy, seed)
+            if (folder / "done.json").exists(): continue
+            config = replace(preset.train, model=model, strategy=strategy, seed=seed)
+            expected = expected_run_seconds(out, strategy, config.steps)
+            if not (folder / "checkpoint").exists() and time.time() + expected > deadline:
+                log(f"{strategy} seed {seed}: not started, it would take about {expected:.0f} s (the time per step of the "
+                    "finished runs) and the time budget is nearly spent; run again to continue")
+                return False
+            policy = build_policy(strategy, model, device)
+            started, times = time.time(), []
+            def on_step(metrics, times=times):
+                times.append(metrics["time/step"])
+                mean = sum(times) / len(times)
+                return time.time() + mean <= deadline              # False: stop after this step (it is saved)
+            run = train(config, folder, resume=True, callbacks=[on_step], policy=policy,
+                        progress=sys.stderr.isatty())
+            steps_done = len(read_metrics(folder)[1])
+            log(f"{strategy} seed {seed}: {steps_done}/{config.steps} steps, {time.time() - started:.0f} s this call")
+            if steps_done < config.steps: return False
+            done = {"steps": steps_done, "seconds_this_call": round(time.time() - started, 1)}
+            if preset.eval_prompts:
+                done["eval_accuracy"] = held_out_accuracy(run.policy.model, run.policy.tokenizer, eval_rows(preset), config)
+                log(f"{strategy} seed {seed}: held-out accuracy {done['eval_accuracy']:.3f}")
+            (folder / "done.json").write_text(json.dumps(done) + "\n")
+            import shutil; shutil.rmtree(folder / "checkpoint", ignore_errors=True)   # a finished run keeps its metrics only
+    return True
+
+
+def expected_run_seconds(out: Path, strategy: str, steps: int) -> float:
+    "A fresh run's duration: `steps` x the mean step time of this strategy's finished runs, else of the slowest finished run; 0 if none."
+    per_run = {}
+    for f in (out / "runs").glob("*_seed*"):
+        if (f / "done.json").exists():
+            times = [m["time/step"] for m in read_metrics(f)[1]]
+            per_run.setdefault(f.name.rsplit("_seed", 1)[0], []).append(sum(times) / max(len(times), 1))
+    if strategy in per_run: return steps * _mean(per_run[strategy])
+    return steps * max((max(v) for v in per_run.values()), default=0.0)
+
+
+# ---------------------------------------------------------------- the report
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else math.nan
+
+def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], model_params: int, command: str,
+                evals: tuple[float | None, float | None] = (None, None)) -> dict:
+    "One row of the results file."
+    w = preset.window
+    first, last = _mean([m["accuracy"] for m in history[:w]]), _mean([m["accuracy"] for m in history[-w:]])
+    finite = all(math.isfinite(m.get("loss", 0.0)) and math.isfinite(m.get("grad_norm", 0.0)) for m in history)
+    key = lambda k: _mean([m.get(k) for m in history])
+    eval_before, eval_after = evals
+    dropped = eval_before is not None and eval_after is not None and eval_after < eval_before - DIVERGENCE_DROP
+    return {"strategy": strategy, "seed": seed, "model_params": model_params, "max_new_tokens": preset.train.max_new_tokens,
+            "steps": len(history), "accuracy_first": first, "accuracy_last": last,
+            "diverged": (not finite) or last < first - DIVERGENCE_DROP or dropped,
+            "eval_accuracy_before": eval_before, "eval_accuracy_after": eval_after,
+            "kl_k3_mean": key("mismatch/kl_k3"), "logp_abs_diff_mean": key("mismatch/logp_abs_diff_mean"),
+            "is_ratio_mean": key("mismatch/is_ratio_mean"), "is_ratio_min": min(m["mismatch/is_ratio_min"] for m in history),
+            "is_ratio_max": max(m["mismatch/is_ratio_max"] for m in history), "ess_mean": key("mismatch/ess"),
+            "tis_clip_frac_mean": key("mismatch/tis_clip_frac"), "token_mult_prob_error_mean": key("mismatch/token_mult_prob_error"),
+            "completion_length_mean": key("completions/mean_length"), "seconds_per_step": key("time/step"),
+            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command}
+
+def _fmt(x, spec=".2f") -> str: return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+def paper_table(rows: list[dict], strategies: tuple[str, ...]) -> str:
+    "Markdown, one line per strategy, seeds pooled: the shape of the paper's table plus the mismatch it measured."
+    head = ("| strategy | rollout side | seeds | held-out accuracy before -> after (per seed) | train accuracy first -> last "
+            "| diverged | mismatch k3 | mean \\|dlogp\\| | IS ratio min / max | ESS | TIS clip frac |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for s in strategies:
+        r = [row for row in rows if row["strategy"] == s]
+        if not r: continue
+        after = [x["eval_accuracy_after"] for x in r]
+        per_seed = ", ".join(_fmt(a) for a in after)
+        before = r[0]["eval_accuracy_before"]
+        lines.append(f"| `{s}` | {DESCRIPTIONS.get(s, s)} | {len(r)} | {_fmt(before)} -> {_fmt(_mean(after))} ({per_seed}) | "
+                     f"{_mean([x['accuracy_first'] for x in r]):.2f} -> {_mean([x['accuracy_last'] for x in r]):.2f} | "
+                     f"{sum(x['diverged'] for x in r)}/{len(r)} | {_mean([x['kl_k3_mean'] for x in r]):.1e} | "
+                     f"{_mean([x['logp_abs_diff_mean'] for x in r]):.1e} | {min(x['is_ratio_min'] for x in r):.3g} / "
+                     f"{max(x['is_ratio_max'] for x in r):.3g} | {_mean([x['ess_mean'] for x in r]):.4f} | "
+                     f"{_mean([x['tis_clip_frac_mean'] for x in r]):.1e} |")
+    return "\n".join(lines)
+
+def position_profile(history: list[dict], parts: int = 3) -> list[tuple[str, list, list]]:
+    "Mean |dlogp| by token position in `parts` spans of training: (label, positions, values)."
+    out, n = [], len(history)
+    for p in range(parts):
+        span = history[p * n // parts:(p + 1) * n // parts]
+        if not span: continue
+        sums, counts = {}, {}
+        for m in span:
+            bp = m["mismatch/by_position"]
+            for pos, v, t in zip(bp["positions"], bp["logp_abs_diff_mean"], bp["tokens"]):
+                sums[pos] = sums.get(pos, 0.0) + v * t; counts[pos] = counts.get(pos, 0) + t
+        positions = sorted(sums)
+        out.append((f"steps {span[0]['step']}-{span[-1]['step']}", positions, [sums[q] / counts[q] for q in positions]))
+    return out
+
+CURVE_KEYS = ("accuracy", "reward", "mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "mismatch/is_ratio_min",
+              "mismatch/is_ratio_max", "mismatch/ess", "mismatch/tis_clip_frac", "completions/mean_length")
+
+def curves(histories: dict[tuple[str, int], list[dict]]) -> dict:
+    "The per-step curves and the |dlogp|-by-position profile of every run, small enough to commit beside the results."
+    return {f"{s}_seed{seed}": {"strategy": s, "seed": seed, **{k: [m[k] for m in h] for k in CURVE_KEYS},
+                                "by_position": [{"steps": label, "positions": pos, "logp_abs_diff_mean": val}
+                                                for label, pos, val in position_profile(h)]}
+            for (s, seed), h in histories.items()}
+
+def learning_gain(row: dict) -> float:
+    "What training bought: held-out accuracy after - before when measured, else train accuracy last - first window."
+    if row.get("eval_accuracy_after") is not None and row.get("eval_accuracy_before") is not None:
+        return row["eval_accuracy_after"] - row["eval_accuracy_before"]
+    return row["accuracy_last"] - row["accuracy_first"]
+
+def report_figure(histories: dict[tuple[str, int], list[dict]], rows: list[dict], strategies: tuple[str, ...]):
+    "Six panels: accuracy, mismatch k3, |dlogp| by position (last third), IS ratio max, ESS, and accuracy vs mismatch."
+    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go
+    titles = ["accuracy (per step, seeds averaged)", "mismatch KL (k3)", "mean |dlogp| by token position (last third of training)",
+              "IS ratio pi_train / pi_rollout: max per step", "effective sample size", "held-out accuracy gain vs measured mismatch (one dot per run)"]
+    fig = make_subplots(rows=2, cols=3, subplot_titles=titles)
+    palette = ["#1f77b4", "#2ca02c", "#9467bd", "#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    for i, s in enumerate(strategies):
+        color, seeds = palette[i % len(palette)], [h for (st, _), h in histories.items() if st == s and h]
+        if not seeds: continue
+        n = min(len(h) for h in seeds)
+        steps = list(range(n))
+        mean_of = lambda key: [_mean([h[k][key] for h in seeds]) for k in range(n)]
+        for p, key, panel in ((0, "accuracy", (1, 1)), (1, "mismatch/kl_k3", (1, 2)), (3, "mismatch/is_ratio_max", (2, 1)),
+                              (4, "mismatch/ess", (2, 2))):
+            fig.add_trace(go.Scatter(x=steps, y=mean_of(key), name=s, legendgroup=s, showlegend=p == 0,
+                                     line=dict(color=color)), *panel)
+        by_position = {}                                                  # position -> that bucket's |dlogp| in each seed
+        for _, positions, values in (position_profile(h)[-1] for h in seeds):
+            for q, v in zip(positions, values): by_position.setdefault(q, []).append(v)
+        fig.add_trace(go.Scatter(x=sorted(by_position), y=[_mean(by_position[q]) for q in sorted(by_position)], name=s,
+                                 legendgroup=s, showlegend=False, line=dict(color=color)), 1, 3)
+        r = [row for row in rows if row["strategy"] == s]
+        fig.add_trace(go.Scatter(x=[x["logp_abs_diff_mean"] for x in r], y=[learning_gain(x) for x in r],
+                                 mode="markers", marker=dict(color=color, size=9), name=s, legendgroup=s, showlegend=False,
+                                 text=[f"seed {x['seed']}" for x in r]), 2, 3)
+    fig.update_yaxes(type="log", row=1, col=2); fig.update_yaxes(type="log", row=1, col=3); fig.update_xaxes(type="log", row=2, col=3)
+    fig.update_xaxes(title_text="step", row=1, col=1); fig.update_xaxes(title_text="token position", row=1, col=3)
+    fig.update_xaxes(title_text="mean |dlogp| over the run", row=2, col=3); fig.update_yaxes(title_text="accuracy gain", row=2, col=3)
+    fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision")
+    return fig
+
+def write_report(preset: Preset, out: Path, command: str, results: Path | None) -> tuple[str, list[dict]]:
+    "report.html, table.md and summary.jsonl in `out` (and the results file); returns (table, rows)."
+    histories, rows = {}, []
+    model = str(out / "base") if preset.sft is not None else preset.train.model
+    model_params = _count_params(model)
+    for seed in preset.seeds:
+        for s in preset.strategies:
+            folder = run_dir(out, s, seed)
+            if not (folder / "metrics.jsonl").exists(): continue
+            history = read_metrics(folder)[1]
+            if not history: continue
+            histories[(s, seed)] = history
+            done = json.loads((folder / "done.json").read_text()) if (folder / "done.json").exists() else {}
+            before = json.loads((out / "eval_base.json").read_text())["accuracy"] if (out / "eval_base.json").exists() else None
+            rows.append(run_summary(preset, s, seed, history, model_params, command, (before, done.get("eval_accuracy"))))
+    if not rows: raise RuntimeError(f"no run in {out} has a finished step yet: nothing to report")
+    table = paper_table(rows, preset.strategies)
+    note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
+            f"{EVAL_SAMPLES} samples each at the training temperature, master weights in high precision. Train accuracy: mean over the first / last {preset.window} steps "
+            f"(sampled, new prompts each step). Diverged: a non-finite loss, or either accuracy falling by more than {DIVERGENCE_DROP}.")
+    (out / "table.md").write_text(table + "\n\n" + note + "\n")
+    (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = report_figure(histories, rows, preset.strategies)
+    html = fig.to_html(include_plotlyjs=True, full_html=True)
+    html = html.replace("<body>", f"<body><h2>jetrl reproduce ({preset.name})</h2><p>{note}</p><pre>{table}</pre>"
+                                  f"<p><code>{command}</code></p>", 1)
+    (out / "report.html").write_text(html)
+    if results is not None:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in rows))
+        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves(histories)) + "\n")
+    return table, rows
+
+RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "accuracy_first", "accuracy_last", "diverged",
+               "eval_accuracy_before", "eval_accuracy_after",
+               "kl_k3_mean", "logp_abs_diff_mean", "is_ratio_min", "is_ratio_max", "ess_mean", "tis_clip_frac_mean",
+               "completion_length_mean", "seconds_per_step", "preset", "command")
+
+def _count_params(model_name: str) -> int:
+    config = Path(model_name) / "config.json"
+    if model_name == "jetrl-tiny":
+        from jetrl.tiny import TINY_DIR; config = TINY_DIR / "config.json"
+    if not config.exists(): return 0
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"): m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.parent))
+    return sum(p.numel() for p in m.parameters())
+
+
+# ---------------------------------------------------------------- moving the work between machines
+def _tgz(out: Path, leave_out: set[Path]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+        tar.add(out, arcname=".", filter=lambda info: None if (out / info.name).resolve() in leave_out else info)
+    return buffer.getvalue()
+
+def pack(out: Path, into: Path, limit: int = PACK_BYTES, log=print) -> list[Path]:
+    """OUT as gzip'd tar parts `reproduce.tgz.partNN` of at most PART_BYTES each, `limit` in all. Over the limit,
+    the checkpoints of unfinished runs are left out (those runs restart from step 0 next time: said loudly);
+    still over, it stops and names the largest files. OUT itself is never changed."""
+    data = _tgz(out, set())
+    if len(data) > limit:
+        unfinished = {f.resolve() for f in (out / "runs").glob("*_seed*/checkpoint") if not (f.parent / "done.json").exists()}
+        if unfinished:
+            data = _tgz(out, unfinished)
+            log(f"pack: {out} is over {limit / MiB:.0f} MiB with its checkpoints; left out those of the unfinished runs "
+                f"{sorted(p.parent.name for p in unfinished)}: after --unpack they restart from step 0")
+    if len(data) > limit:
+        files = sorted((p for p in out.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)[:5]
+        biggest = ", ".join(f"{p.relative_to(out)} ({p.stat().st_size / MiB:.1f} MiB)" for p in files)
+        raise RuntimeError(f"{out} packs to {len(data) / MiB:.1f} MiB, over the {limit / MiB:.0f} MiB a device call brings "
+                           f"back; largest files: {biggest}. Nothing was deleted.")
+    into.mkdir(parents=True, exist_ok=True)
+    for old in into.glob("reproduce.tgz.part*"): old.unlink()
+    parts = []
+    for i in range(0, len(data), PART_BYTES):
+        parts.append(into / f"reproduce.tgz.part{i // PART_BYTES:02d}"); parts[-1].write_bytes(data[i:i + PART_BYTES])
+    return parts
+
+def unpack(source: Path, out: Path) -> int:
+    "Restore OUT from the parts `pack` wrote; returns the number of bytes read. Files already in OUT are replaced."
+    parts = sorted(source.glob("reproduce.tgz.part*"))
+    if not parts: raise FileNotFoundError(f"no reproduce.tgz.partNN files in {source}: give the folder --pack wrote")
+    data = b"".join(p.read_bytes() for p in parts)
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar: tar.extractall(out, filter="data")
+    return len(data)
+
+
+# ---------------------------------------------------------------- the plan: sizes and a time estimate
+H200_STEPS = REPO / "benchmarks" / "results" / "grpo_step_h200.jsonl"   # `benchmarks/grpo_step.py` on one H200
+QWEN2_05B = {"params": 494e6, "layers": 24}                                # the shape of its 'qwen2-0.5b' rows
+
+def h200_step_anchor(path: Path = H200_STEPS) -> dict | None:
+    "The newest measured 0.5B GRPO step per strategy (fast mode) from `path`: rows, tokens, seconds; None without the file."
+    if not path.exists(): return None
+    newest = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("model") != "qwen2-0.5b" or r.get("mode") != "fast": continue
+        if r["strategy"] not in newest or r["run"] > newest[r["strategy"]]["run"]: newest[r["strategy"]] = r
+    if "bf16" not in newest: return None
+    seconds = {s: r["step_s"] for s, r in newest.items()}
+    if "fp8-rollout" in seconds: seconds["fp8-rollout-tis"] = seconds["fp8-rollout"]   # TIS adds no GEMM
+    first = newest["bf16"]
+    return QWEN2_05B | {"rows": first["prompts"] * first["samples"], "new_tokens": first["new_tokens"],
+                        "prompt_len": first["prompt_len"], "seconds": seconds,
+                        "source": f"{path.relative_to(REPO)} ({', '.join(sorted({r['run'] for r in newest.values()}))})"}
+
+def _param_count(s: SFTSpec) -> int:
+    head_dim = s.hidden_size // s.heads
+    per_layer = (2 * s.hidden_size * s.hidden_size + 2 * s.hidden_size * head_dim * s.kv_heads   # q, o; k, v
+                 + s.hidden_size + 2 * head_dim * s.kv_heads                                        # q, k, v biases
+                 + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
+    return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
+
+def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict:
+    """What a run of `preset` will carry and cost, from a measurement here at a small size.
+
+    Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. Time: GRPO
+    steps of every strategy at 4 x 4 rows and 64 new tokens (the GPU preset's model shape, a tiny SFT), timed here;
+    each extrapolated to the preset's rows and tokens by FLOPs (trainer: 10 x params x tokens, i.e. forward +
+    backward + two no-grad forwards; rollout: rows x new tokens). For the GPU, the newest measured H200 GRPO step
+    of the 0.5B shape (`h200_step_anchor`) is scaled two ways: by FLOPs (a floor: small models use the GPU less
+    well) and by decode steps x layers (an upper bound when decode is launch-bound)."""
+    import tempfile
+    info = {"preset": preset.name, "device": device}
+    if preset.sft is not None:
+        params = _param_count(preset.sft)
+        info |= {"model_params": params, "base_bf16_MiB": round(2 * params / MiB, 1),
+                 "run_checkpoint_bf16_MiB": round(6 * params / MiB, 1)}
+        log(f"model: {params / 1e6:.1f}M parameters; the base policy {2 * params / MiB:.0f} MiB in bf16; a run's checkpoint "
+            f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
+            f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's checkpoint out).")
+    with tempfile.TemporaryDirectory() as tmp:
+        small_train = replace(preset.train, steps=measure_steps, prompts_per_step=4, grpo=replace(preset.train.grpo, num_generations=4),
+                              max_new_tokens=64)
+        small = replace(preset, seeds=(0,), eval_prompts=0, train=small_train)
+        if preset.sft is not None:
+            small = replace(small, sft=replace(preset.sft, steps=1, batch_size=2),     # the preset's tokenizer, one SFT step
+                            train=replace(small_train, task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 4))))
+        measured, estimates, anchor = {}, {}, h200_step_anchor()
+        if anchor: info["h200_anchor"] = anchor
+        else: log(f"no H200 estimate: {H200_STEPS.relative_to(REPO)} (measured GRPO steps on an H200) is missing")
+        model_name = str(Path(tmp) / "base") if preset.sft is not None else preset.train.model
+        for s in preset.strategies:
+            run_all(replace(small, strategies=(s,)), Path(tmp), device, math.inf, log=lambda *_: None)
+            h = read_metrics(run_dir(Path(tmp), s, 0))[1][1:] or read_metrics(run_dir(Path(tmp), s, 0))[1]
+            measured[s] = {k: round(_mean([m[f"time/{k}"] for m in h]), 3) for k in ("step", "rollout", "train")}
+            measured[s]["completion_tokens"] = round(_mean([m["completions/mean_length"] for m in h]), 1)
+        params = _count_params(model_name)
+        tokenizer = load_model_and_tokenizer(model_name)[1]
+        full_prompt = _mean([len(tokenizer(r["prompt"])["input_ids"]) for r in eval_rows(replace(preset, eval_prompts=16))])
+        small_prompt = _mean([len(tokenizer(r["prompt"])["input_ids"]) for r in eval_rows(replace(small, eval_prompts=16))])
+        rows_full, rows_small = preset.train.rows_per_step, small.train.rows_per_step
+        for s, m in measured.items():
+            train_ratio = (rows_full * (full_prompt + preset.train.max_new_tokens)) / (rows_small * (small_prompt + m["completion_tokens"]))
+            decode_ratio = rows_full * preset.train.max_new_tokens / (rows_small * max(m["completion_tokens"], 1))
+            here = m["train"] * train_ratio + m["rollout"] * decode_ratio
+            estimates[s] = {"seconds_per_step_here": round(here, 1)}
+            if anchor and s in anchor["seconds"] and preset.sft is not None:
+                flops = (params * rows_full * (full_prompt + preset.train.max_new_tokens)) / (
+                    anchor["params"] * anchor["rows"] * (anchor["prompt_len"] + anchor["new_tokens"]))
+                launches = preset.train.max_new_tokens * preset.sft.layers / (anchor["new_tokens"] * anchor["layers"])
+                estimates[s]["h200_seconds_per_step"] = [round(anchor["seconds"][s] * flops, 2), round(anchor["seconds"][s] * launches, 2)]
+            log(f"{s:18s} measured here at {rows_small} rows x {m['completion_tokens']:.0f} tokens: {m}; at the preset's size: "
+                f"{estimates[s]}")
+        info |= {"measured_here": measured, "measured_at": {"rows": rows_small, "new_tokens": small.train.max_new_tokens},
+                 "prompt_tokens": {"measured": round(small_prompt, 1), "preset": round(full_prompt, 1)}, "estimates": estimates}
+        if all("h200_seconds_per_step" in e for e in estimates.values()):
+            runs = preset.train.steps * sum(e["h200_seconds_per_step"][1] for e in estimates.values()) * len(preset.seeds)
+            info["h200_grpo_minutes_upper"] = round(runs / 60, 1)
+            log(f"all GRPO runs on an H200, the launch-bound (upper) estimate: {runs / 60:.0f} min, plus the SFT and start-up")
+    return info
+
+
+# ---------------------------------------------------------------- the command
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="workshop", choices=sorted(PRESETS))
+    p.add_argument("--out", type=Path, help="output folder (runs, report); required unless --plan")
+    p.add_argument("--strategies", help="comma-separated subset of the preset's strategies (default: all of them)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the preset's)")
+    p.add_argument("--steps", type=int, help="GRPO steps per run (default: the preset's)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--time-budget", type=float, default=0, help="seconds; stop at a step boundary before then (0: no limit)")
+    p.add_argument("--results", type=Path, help="results JSONL (default: benchmarks/results/reproduce_<device>.jsonl "
+                                                  "for the workshop and gpu presets, none for smoke)")
+    p.add_argument("--unpack", type=Path, help="restore OUT from the parts of an earlier --pack first")
+    p.add_argument("--pack", type=Path, help="at the end, write OUT as <= 15 MiB parts into this folder")
+    p.add_argument("--plan", action="store_true", help="print state sizes and a measured time per step, run nothing else")
+    args = p.parse_args(argv)
+    if args.out is None and not args.plan: p.error("--out is required (a folder for the runs and the report)")
+    return args
+
+def preset_from_args(args) -> Preset:
+    preset = PRESETS[args.preset]
+    if args.strategies:
+        strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+        unknown = [s for s in strategies if s not in VARIANTS]
+        if unknown: raise ValueError(f"unknown strategies {unknown}: choose from {sorted(VARIANTS)}")
+        preset = replace(preset, strategies=strategies)
+    if args.seeds: preset = replace(preset, seeds=tuple(int(s) for s in args.seeds.split(",")))
+    if args.steps: preset = replace(preset, train=replace(preset.train, steps=args.steps))
+    return preset
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python scripts/reproduce.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    start = time.time()
+    deadline = start + args.time_budget if args.time_budget > 0 else math.inf
+    try:
+        preset = preset_from_args(args)
+        if args.plan:
+            print(json.dumps(plan(preset, args.device), indent=1)); return 0
+        if args.unpack: print(f"unpacked {unpack(args.unpack, args.out) / MiB:.1f} MiB into {args.out}")
+        done = run_all(preset, args.out, args.device, deadline)
+        device = "gpu" if args.device.startswith("cuda") else "cpu"
+        results = args.results or (None if preset.name == "smoke" else REPO / "benchmarks" / "results" / f"reproduce_{device}.jsonl")
+        table = None
+        if any((run_dir(args.out, s, seed) / "metrics.jsonl").exists() for s in preset.strategies for seed in preset.seeds):
+            table, _ = write_report(preset, args.out, command, results if done else None)
+            print(table)
+        print(f"{'done' if done else 'stopped at the time budget: run the same command again to continue'}; "
+              f"{time.time() - start:.0f} s; report: {args.out / 'report.html'}")
+        if args.pack: print("packed:", ", ".join(f"{p.name} ({p.stat().st_size / MiB:.1f} MiB)" for p in pack(args.out, args.pack)))
+        return 0 if done else 3
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        print(f"reproduce: error: {e}", file=sys.stderr); return 2
+    except KeyboardInterrupt:
+        print("\nreproduce: interrupted; every finished step is saved: run the same command to continue.", file=sys.stderr)
+        return 130
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"Tests of scripts/reproduce.py: the FP4 rungs of the dose-response, the worked solutions, the report rules, pack / unpack, resume."
+import json, math, sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import reproduce as R  # noqa: E402
+
+from jetrl.tasks import ArithmeticChainTask, chain_steps_reward, format_reward, number_reward
+
+E2M1_GRID = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+
+
+def test_e2m1_round_is_the_nearest_grid_value():
+    x = torch.linspace(-7, 7, 2801)
+    q = R.e2m1_round(x)
+    grid = torch.cat([-E2M1_GRID, E2M1_GRID])
+    assert torch.isin(q, grid).all()
+    nearest_distance = (x.clamp(-6, 6)[:, None] - grid[None]).abs().min(1).values
+    assert torch.allclose((x.clamp(-6, 6) - q).abs(), nearest_distance)          # nothing nearer on the grid
+    assert R.e2m1_round(torch.tensor([1.75, 2.5, 5.0])).tolist() == [2.0, 2.0, 4.0]   # ties to the even mantissa
+
+
+@pytest.mark.parametrize("block,pow2", [(16, False), (32, True), (0, False)])
+def test_fake_quantize_fp4_error_is_bounded_by_the_group_scale(block, pow2):
+    torch.manual_seed(0)
+    x = torch.randn(8, 64) * torch.logspace(-3, 2, 64)                            # groups of very different sizes
+    q = R.fake_quantize_fp4(x, block, pow2)
+    b = block or 64
+    amax = x.reshape(8, -1, b).abs().amax(-1, keepdim=True)
+    scale = amax / R.E2M1_MAX
+    if pow2: scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    error = (x - q).reshape(8, -1, b).abs()
+    assert (error <= scale * 1.0 + 1e-12).all()                                    # half the widest spacing (2) in scaled units
+    assert torch.equal(R.fake_quantize_fp4(q, block, pow2), q)                    # on the grid: unchanged
+
+
+def test_fake_quantize_fp4_refuses_a_ragged_group():
+    with pytest.raises(ValueError, match="multiple"):
+        R.fake_quantize_fp4(torch.ones(2, 40), 16, False)
+
+
+def test_worked_solution_is_correct_and_long():
+    row = ArithmeticChainTask(steps=48, digits=2, operators="+-", seed=3).sample(1)[0]
+    solution = R.worked_solution(row)
+    lines = solution.strip().splitlines()
+    assert len(lines) == 49                                                      # one line per step, then the answer
+    for line in lines[:-1]:
+        a, op, b, _, c = line.split()
+        assert int(a) + (1 if op == "+" else -1) * int(b) == int(c)
+    assert [number_reward, format_reward][0]([row["prompt"]], [solution], [row["answer"]]) == [1.0]
+    assert format_reward([row["prompt"]], [solution]) == [1.0]
+    assert chain_steps_reward([row["prompt"]], [solution], [row["intermediate"]]) == [1.0]
+
+
+def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
+    preset = R.replace(R.PRESETS["smoke"], train=R.replace(R.PRESETS["smoke"].train, steps=1), eval_prompts=4)
+    assert R.run_all(preset, tmp_path / "out", "cpu", math.inf, log=lambda *_: None)
+    logged = {s: R.read_metrics(R.run_dir(tmp_path / "out", s, 0)) for s in preset.strategies}
+    configs = [{k: v for k, v in config.items() if k != "strategy"} for config, _ in logged.values()]
+    assert all(c == configs[0] for c in configs)                                  # one config but the strategy name
+    prompts = [[sample["prompt"] for sample in history[0]["samples"]] for _, history in logged.values()]
+    assert all(p == prompts[0] for p in prompts)                                  # the same prompts
+    results = tmp_path / "results.jsonl"
+    table, rows = R.write_report(preset, tmp_path / "out", "cmd", results)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["strategy"], r["seed"]) for r in lines] == [(s, 0) for s in preset.strategies]
+    assert all(set(R.RESULT_KEYS) <= set(r) and r["model_params"] > 3_000_000 for r in lines)
+    assert lines[0]["logp_abs_diff_mean"] < 1e-5 < lines[1]["logp_abs_diff_mean"]   # bf16, then fp8-rollout
+    assert json.loads((tmp_path / "results_curves.json").read_text()).keys() == {"bf16_seed0", "fp8-rollout_seed0"}
+    assert (tmp_path / "out" / "report.html").stat().st_size > 0 and "| `fp8-rollout` |" in table
+
+
+def test_fp4_rollout_policy_quantizes_only_the_rollout_side():
+    policy = R.build_policy("rollout-nvfp4", "jetrl-tiny", "cpu")
+    rollout_linears = [m for m in policy.rollout_model.modules() if isinstance(m, R.FP4RolloutLinear)]
+    assert len(rollout_linears) == 4 * 7                                          # q k v o gate up down, 4 layers
+    ids = policy.tokenizer(["What is 3 + 4? Put the final answer in <answer></answer>.\nAnswer: <answer>7"],
+                           return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        train_logits, rollout_logits = policy.model(ids).logits, policy.rollout_model(ids).logits
+        fp8 = R.build_policy("fp8-rollout", "jetrl-tiny", "cpu")
+        fp8_gap = (fp8.model(ids).logits - fp8.rollout_model(ids).logits).abs().mean()
+    fp4_gap = (train_logits - rollout_logits).abs().mean()
+    assert torch.equal(train_logits, fp8.model(ids).logits)                      # the training side is the same
+    assert fp4_gap > fp8_gap > 0 and fp4_gap < 1.0                                # coarser than FP8, still a model
+
+
+def _history(accuracies, loss=0.1):
+    return [{"step": i, "accuracy": a, "loss": loss, "grad_norm": 1.0, "mismatch/kl_k3": 1e-4, "mismatch/logp_abs_diff_mean": 1e-2,
+             "mismatch/is_ratio_mean": 1.0, "mismatch/is_ratio_min": 0.9, "mismatch/is_ratio_max": 1.1, "mismatch/ess": 0.99,
+             "mismatch/tis_clip_frac": 0.0, "mismatch/token_mult_prob_error": 1.01, "completions/mean_length": 10, "time/step": 1.0}
+            for i, a in enumerate(accuracies)]
+
+
+def test_diverged_rule():
+    preset = R.replace(R.PRESETS["smoke"], window=2)
+    row = lambda h: R.run_summary(preset, "bf16", 0, h, 3, "cmd")
+    assert not row(_history([0.5, 0.5, 0.45, 0.45]))["diverged"]                 # a drop of 0.05 < 0.10
+    assert row(_history([0.5, 0.5, 0.35, 0.35]))["diverged"]                     # a drop of 0.15
+    assert row(_history([0.5, 0.5, 0.6, 0.6], loss=math.nan))["diverged"]       # a non-finite loss
+    r = row(_history([0.2, 0.4, 0.6, 0.8]))
+    assert (r["accuracy_first"], r["accuracy_last"]) == (pytest.approx(0.3), pytest.approx(0.7))
+    assert set(R.RESULT_KEYS) <= set(r)
+
+
+def test_pack_unpack_round_trip_and_budget(tmp_path):
+    out = tmp_path / "out"
+    (out / "runs" / "bf16_seed0" / "checkpoint").mkdir(parents=True)
+    (out / "runs" / "bf16_seed0" / "metrics.jsonl").write_text('{"config": {}}\n')
+    big = torch.randn(3 * 2**20).numpy().tobytes()                               # 12 MiB that gzip cannot shrink
+    (out / "runs" / "bf16_seed0" / "checkpoint" / "model.safetensors").write_bytes(big)
+    parts = R.pack(out, tmp_path / "packed", limit=64 * R.MiB)
+    assert all(p.stat().st_size <= R.PART_BYTES for p in parts)
+    R.unpack(tmp_path / "packed", tmp_path / "back")
+    assert (tmp_path / "back" / "runs" / "bf16_seed0" / "checkpoint" / "model.safetensors").read_bytes() == big
+    messages = []                                                                 # over the limit: the unfinished checkpoint stays behind
+    parts = R.pack(out, tmp_path / "small", limit=4 * R.MiB, log=messages.append)
+    assert "restart from step 0" in messages[0] and sum(p.stat().st_size for p in parts) < R.MiB
+    (out / "runs" / "bf16_seed0" / "done.json").write_text("{}")                 # a finished run's files are never left out
+    with pytest.raises(RuntimeError, match="largest files"):
+        R.pack(out, tmp_path / "small", limit=4 * R.MiB)
+    assert (out / "runs" / "bf16_seed0" / "checkpoint" / "model.safetensors").exists()
+    with pytest.raises(FileNotFoundError, match="partNN"):
+        R.unpack(tmp_path / "nothing", tmp_path / "x")
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_the_time_budget_resumes_to_the_same_metrics(tmp_path, monkeypatch):
+    import time, types
+    preset = R.replace(R.PRESETS["smoke"], strategies=("fp8-rollout",), train=R.replace(R.PRESETS["smoke"].train, steps=3))
+    assert R.run_all(preset, tmp_path / "whole", "cpu", math.inf)
+    clock = iter([0.0, 0.0] + [1e9] * 100)                   # the budget check, the start, then past the deadline
+    monkeypatch.setattr(R, "time", types.SimpleNamespace(time=lambda: next(clock), perf_counter=time.perf_counter))
+    assert not R.run_all(preset, tmp_path / "cut", "cpu", deadline=100.0)
+    run = R.run_dir(tmp_path / "cut", "fp8-rollout", 0)
+    assert len(R.read_metrics(run)[1]) == 1 and (run / "checkpoint").exists()   # stopped after one step, saved
+    monkeypatch.setattr(R, "time", time)
+    assert R.run_all(preset, tmp_path / "cut", "cpu", math.inf)                 # the second invocation finishes it
+    whole = R.read_metrics(R.run_dir(tmp_path / "whole", "fp8-rollout", 0))[1]
+    cut = R.read_metrics(run)[1]
+    keys = ("accuracy", "reward", "mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "loss")
+    assert [[m[k] for k in keys] for m in whole] == [[m[k] for k in keys] for m in cut]
