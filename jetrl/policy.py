@@ -7,8 +7,8 @@ Docs: https://jetrl.github.io/jetrl/policy.html.md"""
 # %% auto #0
 __all__ = ['HP_DTYPES', 'STRATEGIES', 'LOGPROB_CHUNK_TOKENS', 'CHECKPOINT_VERSION', 'SUPPORTED_FAMILIES', 'PrecisionSpec',
            'get_strategy', 'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'token_log_probs',
-           'train_log_probs', 'rollout_log_probs', 'save_checkpoint', 'load_checkpoint', 'load_model_and_tokenizer',
-           'load_policy']
+           'train_log_probs', 'rollout_log_probs', 'recover_checkpoint', 'save_checkpoint', 'CheckpointError',
+           'read_checkpoint_meta', 'load_checkpoint', 'load_model_and_tokenizer', 'load_policy']
 
 # %% ../nbs/04_policy.ipynb #e77fa0db
 import copy, json, os, shutil, time, warnings
@@ -201,6 +201,7 @@ def rollout_log_probs(policy: Policy, input_ids, attention_mask=None, temperatur
     return token_log_probs(policy.rollout_model, input_ids, attention_mask, temperature)
 
 # %% ../nbs/04_policy.ipynb #827e94a4
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file, load_file, save_model, load_model
 
 CHECKPOINT_VERSION = 1
@@ -215,44 +216,133 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
             else: scalars[f"{index}.{key}"] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
+def _sibling(directory: Path, suffix: str) -> Path: return directory.with_name(directory.name + suffix)
+
+def _fsync(path: Path):
+    "Push a file, or a folder's entries (what makes a rename durable), to the disk."
+    try: fd = os.open(path, os.O_RDONLY)
+    except OSError: return                                    # a platform that cannot open folders
+    try: os.fsync(fd)
+    except OSError: pass                                      # a file system that does not sync folders
+    finally: os.close(fd)
+
+def _is_finished(folder: Path) -> bool:
+    "Whether a save completed in `folder`: checkpoint.json, written last, is there and parses."
+    try: return isinstance(json.loads((folder / "checkpoint.json").read_text()), dict)
+    except (OSError, ValueError): return False
+
+def recover_checkpoint(directory: "str | Path") -> Path | None:
+    """Finish or undo a `save_checkpoint` that a kill interrupted; returns `directory` if it now holds a checkpoint.
+    `directory.tmp` is the new checkpoint being written, `directory.old` the previous one stepping aside."""
+    directory = Path(directory)
+    tmp, old = _sibling(directory, ".tmp"), _sibling(directory, ".old")
+    if not directory.exists():
+        if _is_finished(tmp): os.replace(tmp, directory)      # killed after the old one stepped aside: the new one is whole
+        elif old.exists(): os.replace(old, directory)         # (never reached by save_checkpoint's order; kept for safety)
+        if directory.exists(): _fsync(directory.parent)
+    for leftover in (tmp, old):                               # a half-written new one, or an old one half deleted
+        if leftover.exists() and (directory.exists() or leftover == tmp): shutil.rmtree(leftover)
+    return directory if directory.exists() else None
+
 def save_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.optim.Optimizer | None = None,
                     step: int = 0, extra: dict | None = None) -> Path:
-    "Write a checkpoint folder (safetensors + JSON), atomically."
+    """Write a checkpoint folder (safetensors + JSON). Crash-safe: the previous checkpoint stays until the new one
+    is complete and in place, so a kill at any moment leaves one whole checkpoint (see `recover_checkpoint`)."""
     directory = Path(directory)
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists(): shutil.rmtree(tmp)
+    tmp, old = _sibling(directory, ".tmp"), _sibling(directory, ".old")
+    recover_checkpoint(directory)                             # a save killed earlier: finish or undo it first
     tmp.mkdir(parents=True)
+    # 1. the new checkpoint, in full, beside the old one; checkpoint.json last: it marks the folder finished
     save_model(policy.model, str(tmp / "model.safetensors"))
     meta = {"version": CHECKPOINT_VERSION, "step": step, "spec": policy.spec.to_dict(), "extra": extra or {}}
     if optimizer is not None:
         tensors, meta["optimizer"] = _optimizer_tensors(optimizer)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
+    for path in tmp.iterdir(): _fsync(path)                   # the tensors on disk before the file that vouches for them
     (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=1, default=str))
-    if directory.exists(): shutil.rmtree(directory)
+    _fsync(tmp / "checkpoint.json"); _fsync(tmp)
+    # 2. the old one steps aside, 3. the new one takes its name, 4. the old one goes
+    if directory.exists(): os.replace(directory, old)
     os.replace(tmp, directory)
+    _fsync(directory.parent)
+    if old.exists(): shutil.rmtree(old)
     return directory
 
-def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    "Load weights (and optimizer state) into `policy` (and `optimizer`), sync the rollout side; returns the metadata."
-    directory = Path(directory)
-    meta_file = directory / "checkpoint.json"
+# %% ../nbs/04_policy.ipynb #4e3720ee
+class CheckpointError(ValueError):
+    "A checkpoint that cannot be loaded (damaged, or from another model or jetrl version); the message names the file."
+
+_RESTORE = "restore the folder from a copy, or load another checkpoint"
+
+def read_checkpoint_meta(directory: "str | Path") -> dict:
+    "The checked contents of `directory/checkpoint.json`: version, step, precision spec, extra (and optimizer)."
+    meta_file = Path(directory) / "checkpoint.json"
     if not meta_file.exists():
         raise FileNotFoundError(f"{directory} is not a jetrl checkpoint (no checkpoint.json); checkpoints are written by save_checkpoint.")
-    meta = json.loads(meta_file.read_text())
-    if optimizer is not None and "optimizer" not in meta:       # check before touching the policy
+    try: meta = json.loads(meta_file.read_text())
+    except (ValueError, OSError) as e:                        # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{meta_file} is damaged (not JSON: {e}); {_RESTORE}.") from None
+    expected = {"version": int, "step": int, "spec": dict, "extra": dict}
+    wrong = [key for key, kind in expected.items() if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)]
+    if wrong: raise CheckpointError(f"{meta_file} is damaged (missing or wrong {wrong}); {_RESTORE}.")
+    optimizer = meta.get("optimizer", {"param_groups": [], "scalars": {}})
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("scalars"), dict) and isinstance(optimizer.get("param_groups"), list)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in optimizer["param_groups"])):
+        raise CheckpointError(f"{meta_file} is damaged (its optimizer entry lacks param_groups or scalars); {_RESTORE}.")
+    if meta["version"] != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{meta_file} has format version {meta['version']}; this jetrl reads version {CHECKPOINT_VERSION}: "
+                              "use the jetrl version that wrote it.")
+    return meta
+
+def _check_safetensors(path: Path, expected: dict[str, torch.Tensor] | None = None):
+    """Raise a CheckpointError naming `path` if it is missing, damaged (header, size) or, given `expected` tensors,
+    holds other names or shapes. Reads only the header: cheap, and done before anything is loaded."""
+    if not path.exists(): raise CheckpointError(f"{path} is missing; {_RESTORE}.")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is damaged ({e}); {_RESTORE}.") from None
+    if expected is None: return
+    same_tensor = {}                                          # tied weights are saved once, under one of their names
+    for name, t in expected.items(): same_tensor.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
+    missing = [name for names in same_tensor.values() if not any(n in shapes for n in names) for name in names]
+    unknown = [f"unexpected {name}" for name in shapes if name not in expected]
+    resized = [f"{name}: {shapes[name]} in the file, {list(expected[name].shape)} here" for name in shapes
+               if name in expected and shapes[name] != list(expected[name].shape)]
+    if missing or unknown or resized:
+        raise CheckpointError(f"{path} holds the weights of another model ({([f'no {n}' for n in missing] + unknown + resized)[:3]}); "
+                              "load it into the model it was saved from.")
+
+def load_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load weights (and optimizer state) into `policy` (and `optimizer`), sync the rollout side; returns the metadata.
+    Every file is checked before anything is loaded: a bad checkpoint raises and leaves the policy as it was."""
+    directory = Path(directory)
+    recover_checkpoint(directory)                             # finish a save that a kill interrupted
+    meta = read_checkpoint_meta(directory)
+    if optimizer is not None and "optimizer" not in meta:
         raise ValueError(f"{directory} holds no optimizer state (saved without an optimizer); load it with optimizer=None.")
-    saved_spec = PrecisionSpec.from_dict(meta["spec"])
+    try: saved_spec = PrecisionSpec.from_dict(meta["spec"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory / 'checkpoint.json'} holds an unreadable precision spec ({e}); {_RESTORE}.") from None
     if saved_spec != policy.spec:
         warnings.warn(f"checkpoint was saved under strategy {saved_spec.name!r}, loading into {policy.spec.name!r}")
-    missing, unexpected = load_model(policy.model, str(directory / "model.safetensors"), strict=True, device=str(policy.device))
+    _check_safetensors(directory / "model.safetensors", policy.model.state_dict())
+    state = None
     if optimizer is not None:
-        tensors = load_file(str(directory / "optimizer.safetensors"), device=str(policy.device))
+        optimizer_file = directory / "optimizer.safetensors"
+        _check_safetensors(optimizer_file)
+        saved_groups = [len(g.get("params", ())) for g in meta["optimizer"]["param_groups"]]
+        if saved_groups != [len(g["params"]) for g in optimizer.param_groups]:
+            raise CheckpointError(f"{optimizer_file} is the state of an optimizer over other parameters (groups of "
+                                  f"{saved_groups} parameters, this one has {[len(g['params']) for g in optimizer.param_groups]}).")
         state = {}
-        for key, value in tensors.items():
+        for key, value in load_file(str(optimizer_file), device=str(policy.device)).items():
             _, index, name = key.split(".", 2); state.setdefault(int(index), {})[name] = value
         for key, value in meta["optimizer"]["scalars"].items():
             index, name = key.split(".", 1); state.setdefault(int(index), {})[name] = value
-        optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    load_model(policy.model, str(directory / "model.safetensors"), strict=True, device=str(policy.device))
+    if optimizer is not None: optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
     policy.sync_weights()
     return meta
 
