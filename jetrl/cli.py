@@ -8,11 +8,11 @@ Docs: https://jetrl.github.io/jetrl/cli.html.md"""
 __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_from_args', 'main']
 
 # %% ../nbs/09_cli.ipynb #0fc1684d
-import argparse, sys
+import argparse, re, sys, warnings
 from pathlib import Path
 from .grpo import GRPOConfig, LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
 from .policy import STRATEGIES, HP_DTYPES
-from .train import TrainConfig, ROLLOUT_BACKENDS, train, read_metrics
+from .train import TrainConfig, ROLLOUT_BACKENDS, RunFolderWarning, train, read_metrics
 
 # %% ../nbs/09_cli.ipynb #9493b3b5
 REPORT_PANELS = [("reward", "reward"), ("accuracy", "accuracy"), ("mismatch/kl_k3", "mismatch KL (k3)"),
@@ -59,12 +59,13 @@ def write_report(out_dir: "str | Path", strategies: list[str]) -> Path:
 # %% ../nbs/09_cli.ipynb #6d905946
 def _knobs(text: str) -> tuple:
     "'digits=2,operands=3,operators=+-' -> (('digits', 2), ...), numbers as ints."
-    knobs = []
+    knobs = {}
     for item in filter(None, (text or "").split(",")):
         if "=" not in item: raise argparse.ArgumentTypeError(f"task knob {item!r} must be name=value, e.g. digits=3")
-        name, value = item.split("=", 1)
-        knobs.append((name.strip(), int(value) if value.strip().lstrip("-").isdigit() else value.strip()))
-    return tuple(sorted(knobs))
+        name, value = (part.strip() for part in item.split("=", 1))
+        if name in knobs: raise argparse.ArgumentTypeError(f"task knob {name!r} is given twice ({name}={knobs[name]}, {name}={value}): give each knob once")
+        knobs[name] = int(value) if re.fullmatch(r"-?[0-9]+", value) else value
+    return tuple(sorted(knobs.items()))
 
 def _floats(text: str) -> tuple:
     "'1,0.1' -> (1.0, 0.1)."
@@ -123,8 +124,19 @@ def _data_args(args) -> dict:
         raise ValueError("--dataset needs a reward: --reward module:function (a function f(prompts, completions, **kwargs) -> list[float])")
     return {"dataset": args.dataset, "reward_funcs": args.reward}
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    "jetrl's own warnings as one `jetrl: warning:` line; any other warning as Python shows it."
+    if issubclass(category, RunFolderWarning): print(f"jetrl: warning: {message}", file=sys.stderr)
+    else: sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+def _run(args) -> int:
+    "The command itself: every error a user can cause ends as one `jetrl: error:` line and exit status 2."
     try:
         if args.command == "train":
             train(config_from_args(args, args.strategy), args.out, resume=args.resume, progress=True, **_data_args(args))
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary({s: read_metrics(Path(args.out) / s)[1] for s in strategies}))
         print(f"report: {report}")
         return 0
-    except (ValueError, TypeError, FileExistsError, FileNotFoundError, ImportError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:   # OSError: FileExistsError, FileNotFoundError, a full disk...
         print(f"jetrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

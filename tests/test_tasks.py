@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 
 from jetrl.tasks import (
-    MAX_DIGITS, ArithmeticChainTask, ArithmeticTask, CountdownTask, ExpressionError, GSM8KTask, RewardFunctionWarning,
+    MAX_COMPLETION_CHARS, MAX_DIGITS, ArithmeticChainTask, ArithmeticTask, CountdownTask, ExpressionError, GSM8KTask, RewardFunctionWarning,
     TASKS, chain_steps_reward, combine_rewards, countdown_reward, countdown_score, evaluate_expression,
     extract_answer, extract_reference_answer, format_reward, get_task, make_prompt, number_reward, parse_number,
     read_gsm8k, to_chat)
@@ -127,8 +127,11 @@ def test_countdown_number_given_twice_may_be_used_twice():
 
 
 def test_countdown_reward_without_answer_or_with_huge_completion():
-    completions = ["no answer here", "<answer>" * 20_000, "x" * 1_000_000 + tagged("(3 + 7) * 25 - 50")]
-    assert countdown_reward(None, completions, numbers=[NUMBERS] * 3, target=[TARGET] * 3) == [0.0, 0.0, 1.0]
+    answer = tagged("(3 + 7) * 25 - 50")
+    at_the_bound = "x" * (MAX_COMPLETION_CHARS - len(answer)) + answer          # read: it is within the bound
+    past_the_bound = "x" + at_the_bound                                          # scores 0 unread
+    completions = ["no answer here", "<answer>" * 20_000, at_the_bound, past_the_bound]
+    assert countdown_reward(None, completions, numbers=[NUMBERS] * 4, target=[TARGET] * 4) == [0.0, 0.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize("text", ["2**10", "9**9**9", "__import__('os')", "1/0", "1 + x", "10**13 + 1"])
