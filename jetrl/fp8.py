@@ -139,6 +139,9 @@ def quantize(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool 
     "Quantize `x` to FP8 with one fp32 scale (amax / fp8_max) per `block`; see the table above for granularities."
     check_quantizable(x)
     fp8_dtype(fmt)  # unknown format names fail here, before any work
+    if x.dtype == torch.float64 and x.numel() and torch.isinf(x.abs().max().float()):   # the cast x.float() would make
+        raise ValueError(f"input (float64) has values beyond the float32 range (max |x| = {float(x.abs().max()):.3g} > "
+                         f"{torch.finfo(torch.float32).max:.3g}): scales are float32 and would overflow to inf; rescale the input.")
     if pow2_scale and x.numel() and x.abs().max() > POW2_SCALE_LIMIT:
         raise ValueError(f"input has values above 2^127 ({float(x.abs().max()):.3g}): with power-of-two scales the "
                          "dequantized value can round up past the fp32 maximum; use pow2_scale=False or rescale the input.")

@@ -263,15 +263,18 @@ def convert_to_fp8(model: nn.Module, recipe: "str | FP8Recipe" = "blockwise",
                    module_filter_fn: ModuleFilter | None = None) -> nn.Module:
     """Swap, in place, each nn.Linear of `model` for which `module_filter_fn(module, fqn)` is True (default:
     all but `lm_head`) for an FP8Linear sharing its parameters; FP8Linears already there take the new recipe.
-    Returns `model`."""
+    A Linear used in several places becomes one FP8Linear in each of them (still shared). Returns `model`."""
     recipe, keep = get_recipe(recipe), module_filter_fn or default_module_filter
     for fqn, m in model.named_modules():
         if isinstance(m, FP8Linear) and keep(m, fqn): m.recipe = recipe
-    swaps = [(fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear and keep(m, fqn)]
+    every_use = model.named_modules(remove_duplicate=False)     # the default lists a shared module at its first place only
+    swaps = [(fqn, m) for fqn, m in every_use if type(m) is nn.Linear and keep(m, fqn)]
     if isinstance(model, nn.Linear) and swaps: return FP8Linear.from_linear(model, recipe)
+    converted: dict[int, FP8Linear] = {}
     for fqn, linear in swaps:
         parent_name, _, child_name = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, FP8Linear.from_linear(linear, recipe))
+        if id(linear) not in converted: converted[id(linear)] = FP8Linear.from_linear(linear, recipe)
+        setattr(model.get_submodule(parent_name), child_name, converted[id(linear)])
     return model
 
 def fp8_modules(model: nn.Module) -> dict[str, FP8Linear]:

@@ -37,10 +37,10 @@ class SamplingParams:
     def __post_init__(self):
         if self.n < 1: raise ValueError(f"n (samples per prompt) must be at least 1, got {self.n}.")
         if self.max_new_tokens < 1: raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}.")
-        if self.do_sample and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}; for greedy decoding set do_sample=False.")
-        if not self.do_sample and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (it scales the recorded log-probs), got {self.temperature}.")
+        if self.do_sample and not 0 < self.temperature < float("inf"):               # the comparison also refuses NaN
+            raise ValueError(f"temperature must be > 0 when sampling, and finite, got {self.temperature}; for greedy decoding set do_sample=False.")
+        if not self.do_sample and not 0 < self.temperature < float("inf"):
+            raise ValueError(f"temperature must be > 0 and finite (it scales the recorded log-probs), got {self.temperature}.")
         if self.top_k < 0: raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")
         if not 0 < self.top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if isinstance(self.stop, str): object.__setattr__(self, "stop", (self.stop,))
@@ -424,10 +424,18 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list, params: SamplingParams = SamplingParams(), progress: bool = False) -> Rollout:
-        "Complete each prompt `params.n` times; rows are ordered prompt-major (prompt 0's n samples first)."
+        """Complete each prompt `params.n` times; rows are ordered prompt-major (prompt 0's n samples first).
+        A single string, or a single list of token ids, is one prompt."""
+        if isinstance(prompts, str) or prompts and all(isinstance(t, int) for t in prompts): prompts = [prompts]
         if not prompts: raise ValueError("No prompts: give a non-empty list of strings (or token-id lists).")
         device = next(self.model.parameters()).device
         prompt_rows = _prompt_token_ids(self.tokenizer, prompts, self.chat_template)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        outside = [i for i, row in enumerate(prompt_rows) if row and (min(row) < 0 or max(row) >= vocab)]
+        if outside:
+            ids = [t for t in prompt_rows[outside[0]] if not 0 <= t < vocab]
+            raise ValueError(f"Prompt #{outside[0]} holds token id(s) {ids[:3]} outside the model's vocabulary [0, {vocab}): "
+                             "token ids must come from this model's tokenizer.")
         empty = [i for i, r in enumerate(prompt_rows) if len(r) == 0]
         if empty: raise ValueError(f"Prompt(s) {empty[:5]} tokenized to no tokens: give non-empty prompts.")
         too_long = [i for i, r in enumerate(prompt_rows) if len(r) + params.max_new_tokens > self.max_context()]
