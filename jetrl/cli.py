@@ -132,6 +132,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     with warnings.catch_warnings():
+        warnings.simplefilter("always", RunFolderWarning)
         warnings.showwarning = _show_warning
         return _run(args)
 

@@ -63,7 +63,10 @@ def completion_text(completion: str | dict | Sequence[dict]) -> str:
 # %% ../nbs/03_tasks.ipynb #cell-011
 MAX_COMPLETION_CHARS = 1_000_000  # a longer completion scores 0 from every verifier (~250K tokens of text)
 MAX_ANSWER_CHARS = 1_000  # a longer "answer" is not an answer
-NUMBER_PATTERN = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")  # ASCII digits only: `\d` also matches ٣ and ３
+# a number in running text: ASCII digits (`\d` also matches ٣ and ３), standing alone: not glued to letters, `_` or
+# other digits (0x7, 1_000, 7e0 hold none). Linear in the text: possessive quantifiers never backtrack, and no match
+# starts inside a number (after a digit, `,` or `.`), so a long run that fails is not read again from each of its digits
+NUMBER_PATTERN = re.compile(r"(?<![\w,.])-?[0-9][0-9,]*+(?:\.[0-9]+)?+(?!\w)")
 PLAIN_NUMBER_PATTERN = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 
 def extract_answer(text: str, answer_format: str = DEFAULT_ANSWER_FORMAT) -> str | None:

@@ -329,7 +329,9 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     if out_dir is not None:
         if start_step > 0:
             load_checkpoint(out_dir / CHECKPOINT_DIR, policy, optimizer)
-            scheduler.last_epoch = start_step - 1; scheduler.step()          # the schedule at step `start_step`
+            with warnings.catch_warnings():                                    # torch warns: no optimizer.step() yet (none is due)
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+                scheduler.last_epoch = start_step - 1; scheduler.step()      # the schedule at step `start_step`
         run.history = open_run_log(out_dir, config, plan, reward_record(rewards))
     return run
 
