@@ -31,8 +31,8 @@ def timed(device):
     return time.perf_counter()
 
 
-def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator) -> dict:
-    "One GRPO step; returns its phase times and its engine-vs-trainer gap."
+def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator, sync=None) -> dict:
+    "One GRPO step; returns its phase times and its engine-vs-trainer gap. `sync`: the weight sync (default the policy's)."
     device, config = policy.device, GRPOConfig(num_generations=params.n)
     t0 = timed(device)
     rollout = engine.generate(prompts, params)                                                   # rollout
@@ -43,7 +43,9 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
     advantages, _ = group_advantages(rewards, rollout.group.cpu(), "group")
     advantages, P, tokens = advantages.to(device), rollout.prompt_ids.shape[1], float(rollout.completion_mask.sum())
     optimizer.zero_grad(set_to_none=True)
-    for rows in micro_batches(len(rollout), micro_batch):                                       # loss, backward
+    batches = micro_batches(len(rollout), micro_batch)
+    for i, rows in enumerate(batches):                                                          # loss, backward
+        if hasattr(policy.model, "fsdp_before_backward"): policy.model.fsdp_before_backward(i == len(batches) - 1)
         logp = token_log_probs(policy.model, rollout.input_ids[rows], rollout.attention_mask[rows])[:, P - 1:]
         loss, _ = grpo_loss(logp, old_logp[rows], rollout.logprobs[rows], advantages[rows], rollout.completion_mask[rows],
                             config, loss_normalizer=tokens)
@@ -51,7 +53,7 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
     torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
     optimizer.step()
     t3 = timed(device)
-    sync = policy.sync_weights()                                                                 # sync
+    sync = (sync or policy.sync_weights)()                                                       # sync
     t4 = timed(device)
     mask = rollout.completion_mask.bool()
     gap = (old_logp - rollout.logprobs).abs()[mask]
@@ -75,9 +77,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--out", default=None)
+    p.add_argument("--distributed", action="store_true",
+                   help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
+    p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
-    command = "python benchmarks/grpo_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    world = None
+    if args.distributed:
+        from jetrl.distributed import init_world, shard_policy, sync_rollout_weights, rank_block
+        world = init_world()
+    device = world.device if world else torch.device("cuda")
+    launch = f"torchrun --standalone --nproc-per-node {world.size} " if world else "python "
+    command = launch + "benchmarks/grpo_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     params = SamplingParams(n=args.samples, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
     for mode in args.modes.split(","):
         for strategy in args.strategies.split(","):
@@ -86,26 +96,35 @@ def main(argv=None):
             if args.checkpointing: model.gradient_checkpointing_enable()
             model.train()
             policy = Policy(model, tokenizer, strategy, device=device, exact=mode == "exact")
+            sync = None
+            if world:                                   # a full rollout copy per rank, then FSDP2: before the optimizer
+                shard_policy(policy, world)
+                sync = lambda: sync_rollout_weights(policy, world, args.sync_format)
             engine = RolloutEngine(policy, chat_template=False)
             optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr)
             prompts = torch.randint(10, model.config.vocab_size, (args.prompts, args.prompt_len),
                                     generator=torch.Generator().manual_seed(1)).tolist()
+            if world: prompts = rank_block(prompts, world)[0]
             generator = torch.Generator().manual_seed(2)
-            warmup = grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator)
-            torch.cuda.reset_peak_memory_stats(device)
-            steps = [grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator) for _ in range(args.steps)]
+            warmup = grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync)
+            if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
+            steps = [grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync) for _ in range(args.steps)]
             row = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+            if world: row["tokens"] *= world.size                      # every rank generates as many (EOS ignored)
             row |= dict(model=args.model, layers=model.config.num_hidden_layers, strategy=strategy, mode=mode,
                         prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"],
-                        peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30, gpu=torch.cuda.get_device_name(device),
-                        torch=torch.__version__, command=command)
+                        peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                        torch=torch.__version__, command=command, gpus=world.size if world else 1,
+                        launcher="torchrun" if world else "single", sync_format=args.sync_format if world else None)
             row = {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+            if not world or world.is_main:
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
             del policy, engine, optimizer, model
             torch.cuda.empty_cache()
 

@@ -8,11 +8,12 @@ Docs: https://jetrl.github.io/jetrl/cli.html.md"""
 __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_from_args', 'main']
 
 # %% ../nbs/09_cli.ipynb #0fc1684d
-import argparse, re, sys, warnings
+import argparse, os, re, sys, warnings
 from pathlib import Path
 from .grpo import GRPOConfig, LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
 from .policy import STRATEGIES, HP_DTYPES
 from .train import TrainConfig, ROLLOUT_BACKENDS, RunFolderWarning, train, read_metrics
+from .distributed import RankLostError
 
 # %% ../nbs/09_cli.ipynb #9493b3b5
 REPORT_PANELS = [("reward", "reward"), ("accuracy", "accuracy"), ("mismatch/kl_k3", "mismatch KL (k3)"),
@@ -128,6 +129,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     "jetrl's own warnings as one `jetrl: warning:` line; any other warning as Python shows it."
     if issubclass(category, RunFolderWarning): print(f"jetrl: warning: {message}", file=sys.stderr)
     else: sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+def _is_main_process() -> bool: return int(os.environ.get("RANK", "0")) == 0     # one process, or rank 0 of torchrun (08a)
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -141,13 +143,14 @@ def _run(args) -> int:
     try:
         if args.command == "train":
             train(config_from_args(args, args.strategy), args.out, resume=args.resume, progress=True, **_data_args(args))
-            print(summary({args.strategy: read_metrics(args.out)[1]}))
+            if _is_main_process(): print(summary({args.strategy: read_metrics(args.out)[1]}))
             return 0
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         unknown = [s for s in strategies if s not in STRATEGIES]
         if unknown or not strategies: raise ValueError(f"Unknown strategies {unknown}: choose from {sorted(STRATEGIES)}.")
         for strategy in strategies:
             train(config_from_args(args, strategy), Path(args.out) / strategy, resume=args.resume, progress=True, **_data_args(args))
+        if not _is_main_process(): return 0
         report = write_report(args.out, strategies)
         print(summary({s: read_metrics(Path(args.out) / s)[1] for s in strategies}))
         print(f"report: {report}")
@@ -155,6 +158,9 @@ def _run(args) -> int:
     except (ValueError, TypeError, OSError, ImportError) as e:   # OSError: FileExistsError, FileNotFoundError, a full disk...
         print(f"jetrl: error: {e}", file=sys.stderr)
         return 2
+    except RankLostError as e:
+        print(f"jetrl: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\njetrl: interrupted; the last finished step is saved: run the same command with --resume to continue.", file=sys.stderr)
         return 130

@@ -171,7 +171,9 @@ def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     from jetrl.rollout import static_decode_unsupported, sequence_forward
     if attention_mask is None: attention_mask = torch.ones_like(input_ids)
     if static_decode_unsupported(model) is None:
-        hidden, head = sequence_forward(model, input_ids, attention_mask)[:, :-1], model.lm_head   # (B, T-1, H)
+        # a model sharded with FSDP2 (08a) is entered through its root's hooks, which gather the root's weights first
+        forward = getattr(model, "fsdp_sequence_forward", None) or (lambda ids, mask: sequence_forward(model, ids, mask))
+        hidden, head = forward(input_ids, attention_mask)[:, :-1], model.lm_head                   # (B, T-1, H)
     else:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]

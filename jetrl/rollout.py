@@ -6,9 +6,9 @@ Docs: https://jetrl.github.io/jetrl/rollout.html.md"""
 
 # %% auto #0
 __all__ = ['STATIC_MODEL_TYPES', 'CACHE_IMPLEMENTATIONS', 'CAPACITY_BLOCK', 'STOP_WINDOW', 'SamplingParams', 'Rollout',
-           'sample_next', 'static_decode_unsupported', 'StaticKVCache', 'decoder_forward', 'sequence_forward',
-           'DynamicDecoder', 'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights', 'RolloutEngine',
-           'micro_batches', 'recompute_log_probs', 'strategy_mismatch_table']
+           'sample_next', 'row_keys', 'row_uniforms', 'static_decode_unsupported', 'StaticKVCache', 'decoder_forward',
+           'sequence_forward', 'DynamicDecoder', 'StaticDecoder', 'weights_fingerprint', 'refresh_fp8_weights',
+           'RolloutEngine', 'micro_batches', 'recompute_log_probs', 'strategy_mismatch_table']
 
 # %% ../nbs/05_rollout.ipynb #dda1b95e
 import time
@@ -72,8 +72,11 @@ class Rollout:
     def __len__(self): return self.completion_ids.shape[0]
 
 # %% ../nbs/05_rollout.ipynb #ad243fc2
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
-    "Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32)."
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                uniforms: torch.Tensor | None = None):
+    """Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32).
+    With `uniforms` ((B,) in [0, 1)), row i takes the inverse CDF of its distribution at uniforms[i]: its draw
+    depends on its own logits and uniform only, not on the other rows of the batch."""
     scaled = logits.float() / params.temperature
     if params.top_k > 0:
         kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
@@ -84,7 +87,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p      # keep the first token past top_p
         scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     logp = torch.log_softmax(scaled, dim=-1)
-    if params.do_sample:
+    if params.do_sample and uniforms is not None:
+        cdf = logp.exp().cumsum(-1)                                        # (B, V); a masked token adds 0: never picked
+        tokens = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        tokens = tokens.clamp(max=logp.shape[-1] - 1)
+    elif params.do_sample:
         # the exponential race: with E_i ~ Exp(1), argmax_i p_i / E_i is a draw from p (the first of Exp(p_i)
         # clocks to ring). torch.multinomial(p, 1) draws this way too (on the CPU: the same tokens for the same
         # generator), but checks its input first, which the decode loop does not need
@@ -93,6 +100,22 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     else:
         tokens = logp.argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+_MASK32 = 0xFFFFFFFF
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    "A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values in [0, 2**32)."
+    for multiplier in (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39):   # odd and below 2**31: every product fits in int64
+        x = ((x ^ (x >> 16)) * multiplier) & _MASK32
+    return x ^ (x >> 16)
+
+def row_keys(seed: int, rows: torch.Tensor) -> torch.Tensor:
+    "One key per (seed, global row index): the start of each row's own random stream, (B,) int64."
+    return _mix32(_mix32(torch.full_like(rows, seed & _MASK32)) ^ (rows & _MASK32))
+
+def row_uniforms(keys: torch.Tensor, position: int) -> torch.Tensor:
+    "Each row's uniform in [0, 1) at a token position (24 random bits): a fixed function of (key, position)."
+    return (_mix32(keys ^ position) >> 8).float() / 2**24
 
 # %% ../nbs/05_rollout.ipynb #37e97d50
 def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
@@ -423,9 +446,12 @@ class RolloutEngine:
         return self._static
 
     @torch.no_grad()
-    def generate(self, prompts: list, params: SamplingParams = SamplingParams(), progress: bool = False) -> Rollout:
+    def generate(self, prompts: list, params: SamplingParams = SamplingParams(), progress: bool = False,
+                 first_row: int | None = None) -> Rollout:
         """Complete each prompt `params.n` times; rows are ordered prompt-major (prompt 0's n samples first).
-        A single string, or a single list of token ids, is one prompt."""
+        A single string, or a single list of token ids, is one prompt.
+        With `first_row` (and a seed), row i draws from its own stream keyed by (seed, first_row + i, position): a
+        row samples the same tokens however the batch is split (across ranks, for one); else one stream per batch."""
         if isinstance(prompts, str) or prompts and all(isinstance(t, int) for t in prompts): prompts = [prompts]
         if not prompts: raise ValueError("No prompts: give a non-empty list of strings (or token-id lists).")
         device = next(self.model.parameters()).device
@@ -446,6 +472,9 @@ class RolloutEngine:
         prompt_ids, prompt_mask = _left_pad(prompt_rows, self.pad_id, device)            # (prompts, P)
         n, new = params.n, params.max_new_tokens
         rows = len(prompts) * n
+        if first_row is not None and params.seed is None:
+            raise ValueError("first_row keys each row's draws by the seed: give SamplingParams(seed=...).")
+        stream_keys = None if first_row is None else row_keys(params.seed, torch.arange(first_row, first_row + rows + 1, device=device))
         decoder = self._decoder(rows, prompt_ids.shape[1] + new)
         if device.type == "cuda": torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -468,7 +497,8 @@ class RolloutEngine:
             from tqdm.auto import tqdm
             bar = tqdm(total=new, desc="decode", leave=False)
         for step in range(new):
-            tokens, logp = sample_next(logits, params, generator)                           # (width,)
+            uniforms = None if stream_keys is None else row_uniforms(stream_keys[slot_row], step)   # [rows]: the spare's
+            tokens, logp = sample_next(logits, params, generator, uniforms)                # (width,)
             target = torch.where(live, slot_row, spare)
             out_ids[target, step], out_logp[target, step] = tokens, logp
             lengths[target] += 1

@@ -7,9 +7,9 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 # %% auto #0
 __all__ = ['ROLLOUT_BACKENDS', 'STARTER_KNOBS', 'METRICS_FILE', 'CHECKPOINT_DIR', 'SUPERSEDED_FILE', 'TrainConfig', 'make_task',
            'task_and_rewards', 'reward_record', 'RunFolderWarning', 'append_line', 'write_atomically', 'read_log',
-           'RunFolderPlan', 'plan_run_folder', 'open_run_log', 'Run', 'start_run', 'rollout_engine', 'completion_ids',
-           'contributing_mask', 'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples', 'save_step',
-           'read_metrics']
+           'RunFolderPlan', 'plan_run_folder', 'open_run_log', 'Run', 'start_run', 'rollout_engine', 'row_streams',
+           'completion_ids', 'contributing_mask', 'trainer_log_probs', 'optimize', 'train', 'step_metrics',
+           'token_samples', 'save_step', 'read_metrics']
 
 # %% ../nbs/08_train.ipynb #710b095e
 import copy, json, math, os, random, time, warnings
@@ -342,6 +342,10 @@ def rollout_engine(policy: Policy, backend: str = "jetrl"):
         return VLLMEngine(policy)
     return RolloutEngine(policy)
 
+def row_streams(engine, first_row: int = 0) -> dict:
+    "generate()'s per-row random streams (jetrl's engine): a row samples the same tokens on any rank (08a)."
+    return {"first_row": first_row} if isinstance(engine, RolloutEngine) else {}
+
 def _versions() -> dict:
     import jetrl, transformers
     return {"jetrl": jetrl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
@@ -366,23 +370,27 @@ def trainer_log_probs(policy: Policy, rollout: Rollout, temperature: float, micr
         return recompute_log_probs(policy.model, rollout, temperature, micro_batch_size, with_entropy)
 
 def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor | None = None,
-             step: int = 0) -> dict:
+             step: int = 0, totals: tuple | None = None) -> dict:
     """`num_iterations` passes over the batch, each of `steps_per_generation` optimizer steps on its share of the rows
-    (shuffled, seeded by the step): GRPO loss, backward accumulated over micro-batches, clip, step. Returns loss statistics."""
+    (shuffled, seeded by the step): GRPO loss, backward accumulated over micro-batches, clip, step. Returns loss statistics.
+    `totals`: (tokens that count, rows) of the whole batch when `rollout` is one rank's part of it (08a)."""
     config, grpo, policy, P = run.config, run.config.grpo, run.policy, rollout.prompt_ids.shape[1]
     mask = contributing_mask(rollout, grpo)                                               # (B, C)
     entropy_mask = high_entropy_mask(entropy, mask, grpo.top_entropy_quantile) if grpo.top_entropy_quantile < 1 else None
     order = torch.arange(len(rollout))
     if grpo.steps_per_generation > 1: order = torch.randperm(len(rollout), generator=torch.Generator().manual_seed(config.seed * SEED_STRIDE + step))
     shares = order.chunk(grpo.steps_per_generation)
-    tokens_per_step = float(mask.sum()) / grpo.steps_per_generation                      # DAPO's N: tokens that count, per optimizer step
+    total_tokens, total_rows = totals or (float(mask.sum()), len(rollout))
+    tokens_per_step = total_tokens / grpo.steps_per_generation                           # DAPO's N: tokens that count, per optimizer step
     losses, stats = [], {}
     for iteration in range(grpo.num_iterations):
         logps = []
         for share in shares:
             run.optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for part in micro_batches(len(share), config.micro_batch_size):
+            parts = micro_batches(len(share), config.micro_batch_size)
+            for i, part in enumerate(parts):
+                if hasattr(policy.model, "fsdp_before_backward"): policy.model.fsdp_before_backward(i == len(parts) - 1)   # 08a
                 rows = share[part]
                 ids, attention = rollout.input_ids[rows], rollout.attention_mask[rows]
                 logp = token_log_probs(policy.model, ids, attention, config.temperature)[:, P - 1:]
@@ -391,7 +399,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
                     with torch.no_grad(): ref_logp = token_log_probs(run.ref_model, ids, attention, config.temperature)[:, P - 1:]
                 loss, stats = grpo_loss(logp, old_logp[rows], rollout.logprobs[rows], advantages[rows], mask[rows], grpo, ref_logp=ref_logp,
                                         loss_normalizer=tokens_per_step, entropy_mask=None if entropy_mask is None else entropy_mask[rows])
-                if grpo.loss_type not in ("dapo", "cispo"): loss = loss * len(rows) / len(share)   # a mean over the share's rows
+                if grpo.loss_type not in ("dapo", "cispo"): loss = loss * len(rows) / (len(share) * total_rows / len(rollout))   # a mean over the share's rows (all ranks')
                 loss.backward()
                 loss_sum += loss.item(); logps.append(logp.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), config.max_grad_norm)
@@ -400,6 +408,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     if grpo.num_iterations > 1 or grpo.steps_per_generation > 1:                         # later steps reuse the batch off-policy
         stats |= ratio_stats(torch.cat(logps), old_logp[order], rollout.completion_mask[order], prefix="reuse/")
     run.scheduler.step()
+    if hasattr(grad_norm, "full_tensor"): grad_norm = grad_norm.full_tensor()              # sharded parameters: a DTensor
     return stats | {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm), "lr": run.optimizer.param_groups[0]["lr"]}
 
 # %% ../nbs/08_train.ipynb #89c57310
@@ -409,6 +418,8 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
     """Run GRPO for `config.steps` steps. Each step's metrics go to `out_dir/metrics.jsonl` and to every callback.
     A callback returning False stops the run cleanly after the current step. `dataset` and `reward_funcs`: your own
     prompts and rewards, TRL's way (see `task_and_rewards`)."""
+    from jetrl.distributed import launched_by_torchrun, train_distributed
+    if launched_by_torchrun(): return train_distributed(config, out_dir, resume, callbacks, policy, progress, dataset, reward_funcs)  # 08a
     run = start_run(config, out_dir, resume, policy, dataset, reward_funcs)
     config, policy, G = run.config, run.policy, run.config.grpo.num_generations
     steps = range(run.start_step, config.steps)
@@ -418,7 +429,7 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
     for step in steps:
         t = {"start": time.perf_counter()}
         rows = run.batch(step)                                                                  # prompts
-        rollout = run.engine.generate([r["prompt"] for r in rows], run.sampling(step)); t["rollout"] = time.perf_counter()  # rollout
+        rollout = run.engine.generate([r["prompt"] for r in rows], run.sampling(step), **row_streams(run.engine)); t["rollout"] = time.perf_counter()  # rollout
         scores = run.rewards.score(rollout.prompts, rollout.completions, **reward_arguments(rows, G, completion_ids(rollout), step, config.steps)); t["reward"] = time.perf_counter()  # reward
         advantages, adv_stats = group_advantages(torch.tensor(scores.total), rollout.group.cpu(), config.grpo.scale_rewards)  # advantage
         old_logp, entropy = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, with_entropy=True)  # trainer log-probs

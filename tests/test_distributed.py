@@ -1,0 +1,115 @@
+"""The distributed path on the CPU (gloo, 2 processes): a torchrun run of `jetrl train` equals the single-process run,
+resumes after a kill to the same weights, keeps the trainer's FP8 bytes on every rank, and a rank that dies stops
+the others with a message. Each launch starts two Python processes: tens of seconds on 2 cores."""
+import json, os, signal, socket, subprocess, sys, time
+from pathlib import Path
+import pytest
+import torch
+
+from jetrl.cli import main
+from jetrl.distributed import check_divisible, choose_backend
+from jetrl.train import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = ["--model", "jetrl-tiny", "--strategy", "jet", "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
+       "--max-new-tokens", "8"]
+LAUNCH_TIMEOUT_S = 300
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return env | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "JETRL_DIST_TIMEOUT": "60", "HF_HUB_OFFLINE": "1"} | extra
+
+
+def _torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> Path:
+    "`torchrun --nproc-per-node 2 -m jetrl.cli train ...`: 2 steps of jet on jetrl-tiny, checkpoint every step."
+    out = tmp_path_factory.mktemp("dist") / "run"
+    done = subprocess.run(_torchrun("-m", "jetrl.cli", "train", *RUN, "--out", str(out)), env=_env(), capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("strategy") == 1                                     # rank 0 alone prints the summary
+    return out
+
+
+def _close(a: float, b: float, rel: float = 0.0, abs_: float = 0.0) -> bool: return abs(a - b) <= abs_ + rel * abs(a)
+
+
+def test_two_ranks_match_one_process(two_rank_run, tmp_path):
+    assert main(["train", *RUN, "--out", str(tmp_path / "one")]) == 0
+    first_line = json.loads((two_rank_run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first_line["distributed"]["world_size"] == 2 and first_line["distributed"]["backend"] == "gloo"
+    (one0, one1), (two0, two1) = read_metrics(tmp_path / "one")[1], read_metrics(two_rank_run)[1]
+    for one, two in ((one0, two0), (one1, two1)):                                  # same prompts every step
+        assert [s["prompt"] for s in one["samples"]] == [s["prompt"] for s in two["samples"]]
+    # step 0: the same sampled tokens (per-row streams), so the same rewards, exactly
+    assert [s["tokens"] for s in one0["samples"]] == [s["tokens"] for s in two0["samples"]]
+    for key in ["reward", "reward_std", "accuracy", "rewards/format_reward", "rewards/number_reward", "frac_reward_zero_std",
+                "completions/mean_length", "completions/max_length", "completions/truncated_frac", "loss/tokens"]:
+        assert one0[key] == two0[key], key
+    # computed before the update from the same tokens: equal up to summation order (rows padded per rank)
+    for key in ["loss", "entropy", "clip_ratio/region_mean", "mismatch/is_ratio_mean"]:
+        assert _close(one0[key], two0[key], rel=1e-5, abs_=1e-7), (key, one0[key], two0[key])
+    for key in ["mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max", "mismatch/kl_k3"]:
+        assert _close(one0[key], two0[key], abs_=1e-5), (key, one0[key], two0[key])          # both at the fp32 floor
+    # jet's Wgrad quantizes in groups of 128 tokens, formed from each rank's own tokens: the gradient differs a little
+    # (measured 1.2e-4 relative on the norm), and Adam's first step, ~lr * sign(g), spreads that to the drift (3.6e-2)
+    assert _close(one0["grad_norm"], two0["grad_norm"], rel=1e-3), (one0["grad_norm"], two0["grad_norm"])
+    assert _close(one0["drift/kl_to_prev_policy"], two0["drift/kl_to_prev_policy"], rel=0.1)
+    assert _close(one1["reward"], two1["reward"], abs_=0.2) and two1["dist/world_size"] == 2
+
+
+def _final_weights(run_dir: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    target = run_dir.parent / f"{run_dir.name}.pt"
+    dcp_to_torch_save(run_dir / "checkpoint", target)
+    return torch.load(target, weights_only=False)["model"]
+
+
+def test_resume_after_kill_on_two_ranks(two_rank_run, tmp_path):
+    out = tmp_path / "killed"
+    run = subprocess.Popen(_torchrun("-m", "jetrl.cli", "train", *RUN, "--out", str(out)), env=_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    meta, deadline = out / "checkpoint" / "checkpoint.json", time.time() + LAUNCH_TIMEOUT_S
+    while not meta.exists() and run.poll() is None and time.time() < deadline: time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL); run.wait()                                  # the launcher and both ranks
+    assert json.loads(meta.read_text())["step"] == 0, "the run finished before the kill: nothing was tested"
+    done = subprocess.run(_torchrun("-m", "jetrl.cli", "train", *RUN, "--out", str(out), "--resume"), env=_env(),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(out)[1]] == [0, 1]
+    resumed, uninterrupted = _final_weights(out), _final_weights(two_rank_run)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), "resumed weights differ"
+
+
+def _free_port() -> int:
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
+
+def test_fp8_sync_and_a_dying_rank():
+    "Two processes without torchrun (as on two machines): the FP8 sync checks, then rank 1 dies at step 1."
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    script = [sys.executable, str(REPO / "tests" / "distributed_checks.py"), "--die-at-step", "1"]
+    ranks = [subprocess.Popen(script, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    (out0, err0), _ = [rank.communicate(timeout=LAUNCH_TIMEOUT_S) for rank in ranks]
+    assert ranks[0].returncode == 0 and ranks[1].returncode == 3, err0[-3000:]
+    lines = [json.loads(l) for l in out0.splitlines() if l.startswith("{")]
+    fp8, hp = (next(l for l in lines if l["sync_format"] == f) for f in ("fp8", "hp"))
+    assert fp8["fp8_layers"] == hp["fp8_layers"] == 28                             # every FP8 layer: the trainer's bytes
+    # jetrl-tiny trains in fp32 on the CPU: 4 bytes a weight gathered, or 1 (+ one fp32 scale per 128 x 128 block)
+    assert fp8["layer_bytes"] < 0.26 * hp["layer_bytes"], (fp8, hp)
+    assert fp8["sync_bytes"] - fp8["layer_bytes"] == hp["sync_bytes"] - hp["layer_bytes"]  # the rest: gathered alike
+    lost = next(l for l in out0.splitlines() if l.startswith("RankLostError"))
+    assert "another rank failed" in lost and float(lost.split()[2].rstrip("s:")) < 60, lost
+
+
+def test_clear_errors_before_launching():
+    with pytest.raises(ValueError, match="does not split among 3 processes.*--prompts-per-step 15 or 18"): check_divisible(16, 3)
+    with pytest.raises(RuntimeError, match="no NCCL"): choose_backend(0, cuda_gpus=1, nccl_available=False)
+    with pytest.raises(RuntimeError, match="--nproc-per-node 2"): choose_backend(3, cuda_gpus=2, nccl_available=True)
