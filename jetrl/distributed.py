@@ -450,7 +450,8 @@ def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Pat
         load_distributed_checkpoint(out_dir / CHECKPOINT_DIR, policy, optimizer); forget_fp8_weights(policy.model)
         scheduler.last_epoch = start_step - 1; scheduler.step()
     if out_dir is not None and world.is_main:                       # metrics.jsonl: written or repaired as 08_train does
-        run.history = open_run_log(out_dir, config, plan, reward_record(rewards))
+        launch = {"world_size": world.size, "backend": world.backend, "launcher": "torchrun"}
+        run.history = open_run_log(out_dir, config, plan, reward_record(rewards), {"distributed": launch})
     sync_rollout_weights(policy, world)
     return run
 

@@ -253,12 +253,15 @@ def plan_run_folder(out_dir: Path, config: TrainConfig, resume: bool, rewards: l
         plan.rewrite = True
     return plan
 
-def open_run_log(out_dir: Path, config: TrainConfig, plan: RunFolderPlan, rewards: list[dict] | None = None) -> list[dict]:
-    "Carry out `plan` (after the checkpoint loaded): write or repair metrics.jsonl; returns the steps already logged."
+def open_run_log(out_dir: Path, config: TrainConfig, plan: RunFolderPlan, rewards: list[dict] | None = None,
+                 header_extra: dict | None = None) -> list[dict]:
+    """Carry out `plan` (after the checkpoint loaded): write or repair metrics.jsonl; returns the steps already logged.
+    `header_extra`: more fields for a new run's first line (e.g. the distributed launch)."""
     metrics = out_dir / METRICS_FILE
     for note in plan.notes: warnings.warn(note, RunFolderWarning, stacklevel=3)
     if plan.start_step == 0 and not plan.kept and not metrics.exists():
-        write_atomically(metrics, json.dumps({"config": config.to_dict(), "reward_funcs": rewards, "jetrl": _versions()}) + "\n")
+        header = {"config": config.to_dict(), "reward_funcs": rewards, "jetrl": _versions(), **(header_extra or {})}
+        write_atomically(metrics, json.dumps(header) + "\n")
         return []
     if plan.superseded:                                                # kept first: a kill here loses nothing
         for line in plan.superseded: append_line(out_dir / SUPERSEDED_FILE, line)
