@@ -54,6 +54,7 @@ class TrainConfig:
     record_samples: int = 4                    # completions per step kept token by token (for the token viewer)
     backend: str = "jetrl"                     # rollout engine: 'jetrl' (embedded) or 'vllm' (jetrl.vllm_backend)
     hp_dtype: str | None = None                # high precision of both sides; None: the strategy's (bf16 on GPU, fp32 on CPU)
+    exact: bool = False                        # GPU: batch-invariant kernels everywhere, rollout log-probs == trainer's bit for bit
 
     def __post_init__(self):
         finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)             # refuses NaN and +-inf
@@ -323,7 +324,7 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     random.seed(config.seed); torch.manual_seed(config.seed)
     if policy is None:
         model, tokenizer = load_model_and_tokenizer(config.model)
-        policy = Policy(model, tokenizer, spec, device="cuda" if torch.cuda.is_available() else "cpu")
+        policy = Policy(model, tokenizer, spec, device="cuda" if torch.cuda.is_available() else "cpu", exact=config.exact)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     run = Run(config, policy, rollout_engine(policy, config.backend), optimizer, scheduler, task, rewards, out_dir, start_step)
