@@ -37,8 +37,8 @@ import torch.nn as nn
 from jetrl.grpo import GRPOConfig
 from jetrl.linear import RECIPES, FP8Recipe, fp8_modules, set_recipe
 from jetrl.policy import STRATEGIES, Policy, PrecisionSpec, SyncReport, load_model_and_tokenizer
-from jetrl.tasks import STEP_WORDS, ArithmeticChainTask, get_task, number_reward
-from jetrl.train import TrainConfig, read_metrics, train
+from jetrl.tasks import STEP_WORDS, ArithmeticChainTask, number_reward
+from jetrl.train import TrainConfig, make_task, read_metrics, train
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -291,7 +291,7 @@ EVAL_SEED = 10**9 + 7      # held-out prompts; GRPO's are seeded run_seed * 1_00
 
 def eval_rows(preset: Preset) -> list[dict]:
     "The held-out prompts: the preset's task, seeded apart from every training prompt."
-    task = get_task(preset.train.task, **dict(preset.train.task_knobs))
+    task = make_task(preset.train)                     # the task and knobs training uses (its own defaults when None)
     return replace(task, seed=EVAL_SEED).sample(preset.eval_prompts)
 
 EVAL_SAMPLES = 4           # completions per held-out prompt
@@ -345,7 +345,7 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) 
                 times.append(metrics["time/step"])
                 mean = sum(times) / len(times)
                 return time.time() + mean <= deadline              # False: stop after this step (it is saved)
-            run = train(config, folder, resume=True, callbacks=[on_step], policy=policy,
+            run = train(config, folder, resume=(folder / "metrics.jsonl").exists(), callbacks=[on_step], policy=policy,
                         progress=sys.stderr.isatty())
             steps_done = len(read_metrics(folder)[1])
             log(f"{strategy} seed {seed}: {steps_done}/{config.steps} steps, {time.time() - started:.0f} s this call")
