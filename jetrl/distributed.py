@@ -12,8 +12,8 @@ __all__ = ['TIMEOUT_ENV', 'DEFAULT_TIMEOUT_S', 'SYNC_FORMATS', 'launched_by_torc
            'reduce_loss_stats', 'merge_rollouts', 'distributed_step', 'save_distributed_checkpoint',
            'load_distributed_checkpoint', 'start_distributed_run', 'train_distributed']
 
-# %% ../nbs/08a_distributed.ipynb #15847cc6
-import copy, json, os, random, shutil, signal, sys, time
+# %% ../nbs/08a_distributed.ipynb #dc194026
+import copy, json, os, random, shutil, signal, sys, time, warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -26,13 +26,13 @@ from .fp8 import FP8Tensor, compute_scale, fp8_dtype, fp8_max, resolve_block
 from .grpo import group_advantages
 from .linear import FP8InferenceLinear, FP8Recipe, fp8_modules, quantize_weight
 from .policy import (HP_DTYPES, CHECKPOINT_VERSION, Policy, SyncReport, build_rollout_copy, get_strategy,
-                          load_model_and_tokenizer, recover_checkpoint)
+                          load_model_and_tokenizer, recover_checkpoint, _sibling, _fsync)
 from .rollout import Rollout, RolloutEngine, sequence_forward
 from .tasks import RewardScores
 from .data import reward_arguments
 from .train import (TrainConfig, Run, trainer_log_probs, optimize, step_metrics, task_and_rewards, reward_record,
-                    completion_ids, contributing_mask, row_streams, plan_run_folder, open_run_log, RunFolderPlan,
-                    CHECKPOINT_DIR, _lr_lambda)
+                    completion_ids, contributing_mask, row_streams, plan_run_folder, open_run_log, append_line, RunFolderPlan,
+                    METRICS_FILE, CHECKPOINT_DIR, _lr_lambda)
 
 # %% ../nbs/08a_distributed.ipynb #5c0f331a
 TIMEOUT_ENV = "JETRL_DIST_TIMEOUT"    # seconds a collective waits for the other ranks
@@ -341,7 +341,7 @@ def _share(rollout: Rollout, scores: RewardScores, old_logp, new_logp, entropy, 
                 total=scores.total, per_function=scores.per_function, old_logp=cpu(old_logp), new_logp=cpu(new_logp),
                 entropy=cpu(entropy), pad_id=pad_id, rows_per_prompt=int((rollout.group == rollout.group[0]).sum()))
 
-# %% ../nbs/08a_distributed.ipynb #94dc0c4f
+# %% ../nbs/08a_distributed.ipynb #d8b92f6f
 def distributed_step(run: Run, world: World, step: int, sync_format: str = "fp8") -> dict | None:
     config, policy, G = run.config, run.policy, run.config.grpo.num_generations
     t = {"start": time.perf_counter()}
@@ -364,28 +364,29 @@ def distributed_step(run: Run, world: World, step: int, sync_format: str = "fp8"
     if not world.is_main: return None
     rollout, scores, old_logp, new_logp, entropy = merge_rollouts(parts)
     metrics = step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, policy.tokenizer)
-    return metrics | {"dist/world_size": world.size, "sync/format": sync_format, "sync/layer_bytes": sync.layer_bytes}
+    return metrics | {"dist/world_size": world.size, "dist/backend": world.backend, "sync/format": sync_format,
+                      "sync/layer_bytes": sync.layer_bytes}
 
-# %% ../nbs/08a_distributed.ipynb #80805f09
+# %% ../nbs/08a_distributed.ipynb #0cac66ec
 def save_distributed_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.optim.Optimizer, step: int,
                                 world: World, extra: dict | None = None) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     directory = Path(directory)
-    tmp, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
-    if world.is_main: recover_checkpoint(directory)              # a save killed earlier: finish or undo it (04_policy)
-    if world.is_main and tmp.exists(): shutil.rmtree(tmp)
+    tmp, old = _sibling(directory, ".tmp"), _sibling(directory, ".old")
+    if world.is_main: recover_checkpoint(directory)                 # a save killed earlier: finish or undo it first
     world.barrier()
     model_state, optimizer_state = get_state_dict(policy.model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))   # every rank its shards
     world.barrier()
-    if world.is_main:
+    if world.is_main:                                               # checkpoint.json last: it marks the folder finished
+        for path in tmp.iterdir(): _fsync(path)
         meta = {"version": CHECKPOINT_VERSION, "format": "dcp", "world_size": world.size, "step": step,
                 "spec": policy.spec.to_dict(), "extra": extra or {}}
-        (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=1, default=str))   # last: marks the folder whole
-        # the crash-safe order of save_checkpoint: the old one steps aside, the new one takes its name, the old one goes
-        if directory.exists(): os.replace(directory, old)
-        os.replace(tmp, directory)
+        (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=1, default=str))
+        _fsync(tmp / "checkpoint.json"); _fsync(tmp)
+        if directory.exists(): os.replace(directory, old)           # the old one steps aside, the new one takes its name
+        os.replace(tmp, directory); _fsync(directory.parent)
         if old.exists(): shutil.rmtree(old)
     world.barrier()
     return directory
@@ -405,7 +406,7 @@ def load_distributed_checkpoint(directory: "str | Path", policy: Policy, optimiz
     set_state_dict(policy.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return meta
 
-# %% ../nbs/08a_distributed.ipynb #bf7b6cc4
+# %% ../nbs/08a_distributed.ipynb #d66b1fa6
 def _on_main(world: World, fn: Callable):
     "fn() on rank 0 only; its result, or the error it raised, on every rank."
     result = error = None
@@ -439,7 +440,7 @@ def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Pat
     random.seed(config.seed); torch.manual_seed(config.seed)
     if policy is None:
         model, tokenizer = load_model_and_tokenizer(config.model)
-        policy = Policy(model, tokenizer, spec, device=world.device)
+        policy = Policy(model, tokenizer, spec, device=world.device, exact=config.exact)
     ref_model = copy.deepcopy(policy.model).eval().requires_grad_(False) if config.grpo.beta > 0 else None
     shard_policy(policy, world)
     if ref_model is not None: shard_model(ref_model, world)
@@ -448,14 +449,18 @@ def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Pat
     run = Run(config, policy, RolloutEngine(policy), optimizer, scheduler, task, rewards, out_dir, start_step, ref_model=ref_model)
     if out_dir is not None and start_step > 0:
         load_distributed_checkpoint(out_dir / CHECKPOINT_DIR, policy, optimizer); forget_fp8_weights(policy.model)
-        scheduler.last_epoch = start_step - 1; scheduler.step()
-    if out_dir is not None and world.is_main:                       # metrics.jsonl: written or repaired as 08_train does
-        launch = {"world_size": world.size, "backend": world.backend, "launcher": "torchrun"}
-        run.history = open_run_log(out_dir, config, plan, reward_record(rewards), {"distributed": launch})
+        with warnings.catch_warnings():                                    # torch warns: no optimizer.step() yet (none is due)
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+            scheduler.last_epoch = start_step - 1; scheduler.step()
+    if out_dir is not None:
+        if world.is_main:                                                 # metrics.jsonl: written or repaired as 08_train does
+            launch = {"world_size": world.size, "backend": world.backend, "launcher": "torchrun"}
+            run.history = open_run_log(out_dir, config, plan, reward_record(rewards), {"distributed": launch})
+        world.barrier()
     sync_rollout_weights(policy, world)
     return run
 
-# %% ../nbs/08a_distributed.ipynb #2219b1ae
+# %% ../nbs/08a_distributed.ipynb #962b2732
 def _stop_message(world: World, run: Run | None) -> str:
     where = "" if run is None or run.out_dir is None else f"; the last checkpoint in {run.out_dir} is whole: run the same command with --resume"
     return f"rank {world.rank} of {world.size} stopped: another rank failed or was stopped (its error is above){where}"
@@ -480,13 +485,12 @@ def train_distributed(config: TrainConfig, out_dir: "str | Path | None" = None, 
             stop = False
             if world.is_main:
                 run.history.append(metrics)
-                if run.out_dir is not None:
-                    with open(run.out_dir / "metrics.jsonl", "a") as f: f.write(json.dumps(metrics) + "\n")
+                if run.out_dir is not None: append_line(run.out_dir / METRICS_FILE, json.dumps(metrics))
                 if progress: steps.set_postfix(reward=f"{metrics['reward']:.2f}", mismatch=f"{metrics['mismatch/kl_k3']:.1e}")
                 stop = any(cb(metrics) is False for cb in callbacks)
             if run.out_dir is not None and ((step + 1) % run.config.save_every == 0 or step + 1 == run.config.steps):
                 save_distributed_checkpoint(run.out_dir / CHECKPOINT_DIR, run.policy, run.optimizer, step, world,
-                                            extra={"config": run.config.to_dict()})
+                                            extra={"config": run.config.to_dict(), "metrics": metrics})
             if world.broadcast_from_main(stop): break
         return run
     except RuntimeError as e:

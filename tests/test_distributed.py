@@ -44,6 +44,7 @@ def test_two_ranks_match_one_process(two_rank_run, tmp_path):
     first_line = json.loads((two_rank_run / "metrics.jsonl").read_text().splitlines()[0])
     assert first_line["distributed"]["world_size"] == 2 and first_line["distributed"]["backend"] == "gloo"
     (one0, one1), (two0, two1) = read_metrics(tmp_path / "one")[1], read_metrics(two_rank_run)[1]
+    assert two0["dist/world_size"] == 2 and two0["dist/backend"] == "gloo" and "dist/world_size" not in one0
     for one, two in ((one0, two0), (one1, two1)):                                  # same prompts every step
         assert [s["prompt"] for s in one["samples"]] == [s["prompt"] for s in two["samples"]]
     # step 0: the same sampled tokens (per-row streams), so the same rewards, exactly
