@@ -6,7 +6,7 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'invariant_kernels_available',
-           'quantize_1x128', 'fp8_gemm_invariant', 'matmul_invariant', 'rms_norm_invariant', 'triton_next_power_of_2',
+           'quantize_1x128', 'fp8_gemm_invariant', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
            'attention_invariant', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'causal_key_mask',
            'attend', 'use_invariant_kernels']
 
@@ -26,8 +26,6 @@ KEY_BLOCK = 64          # keys per step of the attention's online softmax: the o
 # Decided once, at import: the answer must not change under torch.compile, which cannot trace a failing import
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's CPU interpreter (set before importing Triton)
-
-def _interpreting() -> bool: return INTERPRETING
 
 @functools.cache
 def _triton():
@@ -209,7 +207,7 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
     out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
     if M == 0 or N == 0: return out
     if M <= DECODE_MAX_ROWS:   # decode: all rows in one tile (64, 128 or 256), narrow column strips: many programs stream W
-        block_m, block_n, warps, stages = min(DECODE_MAX_ROWS, max(TILE_ROWS, triton_next_power_of_2(M))), 64, 4, 4
+        block_m, block_n, warps, stages = min(DECODE_MAX_ROWS, max(TILE_ROWS, next_power_of_2(M))), 64, 4, 4
         if block_m > TILE_ROWS: warps = 8
     else:                      # prefill, trainer: square tiles
         block_m, block_n, warps, stages = 128, 128, 8, 3
@@ -246,13 +244,13 @@ def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     y = torch.empty(x2d.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     if x2d.shape[0]:
         _kernels()["rms_norm"][(x2d.shape[0],)](x2d, weight, y, H, x2d.stride(0), y.stride(0), eps,
-                                                BLOCK=triton_next_power_of_2(H), num_warps=4)
+                                                BLOCK=next_power_of_2(H), num_warps=4)
     return y.reshape(*x.shape[:-1], H)
 
 @rms_norm_invariant.register_fake
 def _(x, weight, eps): return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
-def triton_next_power_of_2(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
+def next_power_of_2(n: int) -> int: "The smallest power of two >= n (1 for n <= 1)."; return 1 << max(n - 1, 0).bit_length()
 
 @torch.library.custom_op("jetrl::attention_invariant", mutates_args=())
 def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_columns: torch.Tensor,

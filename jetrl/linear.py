@@ -106,11 +106,10 @@ def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, reci
     Training and rollout both call this one function: that is what makes Jet-RL's two sides one graph.
     `w_kernel_scale` (`kernel_weight_scale(w_fp8)`, cached with a synced weight) only saves the kernel a re-layout."""
     x2d = x.reshape(-1, x.shape[-1])                                       # (M, K)
-    if _runs_invariant_fprop(x2d, w_fp8, recipe):                          # GPU: jetrl's batch-invariant kernels
-        x_fp8 = quantize_1x128(x2d, recipe.act_fmt)
+    x_fp8 = _quantize(x2d, recipe, "x", "fprop")
+    if _runs_invariant_fprop(x2d, w_fp8, recipe):                          # GPU: jetrl's batch-invariant GEMM
         y2d = fp8_gemm_invariant(x_fp8, w_fp8, x.dtype, w_kernel_scale)
     else:
-        x_fp8 = _quantize(x2d, recipe, "x", "fprop")
         y2d = fp8_mm(x_fp8, w_fp8.t(), out_dtype=x.dtype, b_kernel_scale=w_kernel_scale)   # (M, N), fp32 accumulation
     if bias is not None: y2d = y2d + bias.to(y2d.dtype)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1]), x_fp8
@@ -128,8 +127,8 @@ class FP8LinearFunction(torch.autograd.Function):
             y, x_fp8 = fp8_fprop(x, w_fp8, bias, recipe, w_kernel_scale)
             ctx.save_for_backward(x_fp8.data, x_fp8.scale, hp_weight)
             ctx.x_block, ctx.x_fmt = x_fp8.block, x_fp8.fmt
-            # Dgrad's weight blocks are Fprop's, transposed: reuse the quantized weight (blockwise and tensorwise)
-            if recipe.block("w", "dgrad") == recipe.block("w", "fprop") and recipe.granularity != "rowwise": ctx.w_fp8 = w_fp8
+            # where Dgrad's weight blocks are Fprop's (blockwise, tensorwise), reuse the quantized weight, transposed
+            if recipe.block("w", "dgrad") == recipe.block("w", "fprop"): ctx.w_fp8 = w_fp8
         else:
             x2d = x.reshape(-1, x.shape[-1])                               # (M, K)
             y = F.linear(x2d, hp_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .linear import assume_synced_fp8_weights
-from .kernels import attend
+from .kernels import attend, next_power_of_2
 from .policy import Policy
 
 # %% ../nbs/05_rollout.ipynb #5a7cd8f1
@@ -259,8 +259,6 @@ def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
 
 
 # %% ../nbs/05_rollout.ipynb #d3c3ad57
-def _power_of_two_at_least(n: int) -> int: return 1 << max(n - 1, 0).bit_length()
-
 class DynamicDecoder:
     "Decode with the model's own forward and a `transformers` DynamicCache (any causal LM)."
 
@@ -327,7 +325,7 @@ class StaticDecoder:
         return logits.repeat_interleave(n, 0)
 
     def width_for(self, live: int) -> int:
-        return min(_power_of_two_at_least(live), self.width) if self.pad_widths else live
+        return min(next_power_of_2(live), self.width) if self.pad_widths else live
 
     def move_rows(self, keep: torch.Tensor, width: int):
         self.cache.move_rows(keep)
