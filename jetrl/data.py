@@ -10,8 +10,8 @@ __all__ = ['REWARD_ARGUMENTS', 'SEED_STRIDE', 'dataset_rows', 'read_jsonl', 'rew
            'reward_arguments']
 
 # %% ../nbs/03a_data.ipynb #eb762284
-import hashlib, importlib, importlib.util, inspect, json, math, random, sys
-from collections.abc import Iterable, Sequence
+import hashlib, importlib, importlib.util, inspect, json, random, sys
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar

@@ -13,8 +13,8 @@ __all__ = ['TIMEOUT_ENV', 'DEFAULT_TIMEOUT_S', 'SYNC_FORMATS', 'launched_by_torc
            'load_distributed_checkpoint', 'start_distributed_run', 'train_distributed']
 
 # %% ../nbs/08a_distributed.ipynb #dc194026
-import copy, json, os, random, shutil, signal, sys, time, warnings
-from dataclasses import dataclass, replace
+import copy, json, os, random, shutil, signal, time, warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -25,14 +25,14 @@ import torch.distributed as dist
 from .fp8 import FP8Tensor, compute_scale, fp8_dtype, fp8_max, resolve_block
 from .grpo import group_advantages
 from .linear import FP8InferenceLinear, FP8Recipe, fp8_modules, quantize_weight
-from .policy import (HP_DTYPES, CHECKPOINT_VERSION, Policy, SyncReport, build_rollout_copy, get_strategy,
+from .policy import (CHECKPOINT_VERSION, Policy, SyncReport, build_rollout_copy,
                           load_model_and_tokenizer, recover_checkpoint, _sibling, _fsync)
 from .rollout import Rollout, RolloutEngine, sequence_forward
 from .tasks import RewardScores
 from .data import reward_arguments
 from .train import (TrainConfig, Run, trainer_log_probs, optimize, step_metrics, task_and_rewards, reward_record,
                     completion_ids, contributing_mask, row_streams, plan_run_folder, open_run_log, append_line, RunFolderPlan,
-                    METRICS_FILE, CHECKPOINT_DIR, _lr_lambda)
+                    METRICS_FILE, CHECKPOINT_DIR, resolve_strategy, _lr_lambda)
 
 # %% ../nbs/08a_distributed.ipynb #5c0f331a
 TIMEOUT_ENV = "JETRL_DIST_TIMEOUT"    # seconds a collective waits for the other ranks
@@ -420,15 +420,7 @@ def _on_main(world: World, fn: Callable):
 def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Path | None" = None, resume: bool = False,
                           policy: Policy | None = None, dataset=None, reward_funcs=None) -> Run:
     "Set up this rank's part of a run: task and rewards, seeds, policy (sharded) and rollout copy, optimizer, folder, resume."
-    spec = get_strategy(config.strategy) if policy is None else policy.spec                   # as start_run (08_train)
-    if config.hp_dtype is not None and policy is None: spec = replace(spec, hp_dtype=config.hp_dtype)
-    if config.hp_dtype is not None and policy is not None and policy.dtype != HP_DTYPES[config.hp_dtype]:
-        raise ValueError(f"config.hp_dtype is {config.hp_dtype!r} but the policy computes in {policy.dtype}: make them agree.")
-    if spec.name != config.strategy:
-        raise ValueError(f"config.strategy is {config.strategy!r} but the policy was built with {spec.name!r}: make them agree.")
-    if spec.tis_cap is not None and config.grpo.rollout_importance_sampling_mode is None:
-        config = replace(config, grpo=replace(config.grpo, rollout_importance_sampling_mode="token_truncate",
-                                              rollout_importance_sampling_clip_max=spec.tis_cap))
+    config, spec = resolve_strategy(config, policy)                                          # as start_run (08_train)
     if config.backend != "jetrl":
         raise ValueError(f"backend={config.backend!r}: under torchrun each rank generates with jetrl's own engine; use backend='jetrl'.")
     check_divisible(config.prompts_per_step, world.size)

@@ -11,7 +11,6 @@ __all__ = ['FP8_DTYPES', 'Block', 'POW2_SCALE_LIMIT', 'KERNEL_BLOCK', 'KERNEL_RO
 
 # %% ../nbs/00_fp8.ipynb #af6c51ea
 from typing import NamedTuple, Sequence
-import functools
 import math
 import torch
 import torch.nn.functional as F

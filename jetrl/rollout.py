@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from .linear import assume_synced_fp8_weights
 from .kernels import attend, next_power_of_2
 from .policy import Policy

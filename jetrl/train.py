@@ -7,9 +7,9 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 # %% auto #0
 __all__ = ['ROLLOUT_BACKENDS', 'STARTER_KNOBS', 'METRICS_FILE', 'CHECKPOINT_DIR', 'SUPERSEDED_FILE', 'TrainConfig', 'make_task',
            'task_and_rewards', 'reward_record', 'RunFolderWarning', 'append_line', 'write_atomically', 'read_log',
-           'RunFolderPlan', 'plan_run_folder', 'open_run_log', 'Run', 'start_run', 'rollout_engine', 'row_streams',
-           'completion_ids', 'contributing_mask', 'trainer_log_probs', 'optimize', 'train', 'step_metrics',
-           'token_samples', 'save_step', 'read_metrics']
+           'RunFolderPlan', 'plan_run_folder', 'open_run_log', 'Run', 'resolve_strategy', 'start_run', 'rollout_engine',
+           'row_streams', 'completion_ids', 'contributing_mask', 'trainer_log_probs', 'optimize', 'train',
+           'step_metrics', 'token_samples', 'save_step', 'read_metrics']
 
 # %% ../nbs/08_train.ipynb #710b095e
 import copy, json, math, os, random, time, warnings
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from .grpo import GRPOConfig, group_advantages, grpo_loss, high_entropy_mask
 from .mismatch import mismatch_metrics, mismatch_by_position, kl_to_prev_policy, ratio_stats
-from .policy import (Policy, HP_DTYPES, get_strategy, load_model_and_tokenizer, save_checkpoint, load_checkpoint,
+from .policy import (Policy, PrecisionSpec, HP_DTYPES, get_strategy, load_model_and_tokenizer, save_checkpoint, load_checkpoint,
                           token_log_probs, recover_checkpoint, read_checkpoint_meta)
 from .rollout import RolloutEngine, SamplingParams, Rollout, recompute_log_probs, micro_batches
 from .tasks import Task, RewardSet, combine_rewards, get_task
@@ -305,9 +305,9 @@ def _lr_lambda(config: TrainConfig) -> Callable[[int], float]:
         return 1.0
     return factor
 
-def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False, policy: Policy | None = None,
-              dataset=None, reward_funcs=None) -> Run:
-    "Set up a run: task and rewards (checked first), seeds, policy, engine, optimizer, output folder (and resume)."
+def resolve_strategy(config: TrainConfig, policy: Policy | None = None) -> tuple[TrainConfig, PrecisionSpec]:
+    """The run's precision spec (the config's strategy, or the given policy's, which must agree with the config) and the
+    config with what the strategy turns on (TIS for `fp8-rollout-tis`)."""
     spec = get_strategy(config.strategy) if policy is None else policy.spec
     if config.hp_dtype is not None and policy is None: spec = replace(spec, hp_dtype=config.hp_dtype)
     if config.hp_dtype is not None and policy is not None and policy.dtype != HP_DTYPES[config.hp_dtype]:
@@ -317,6 +317,12 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     if spec.tis_cap is not None and config.grpo.rollout_importance_sampling_mode is None:   # the strategy turns TIS on
         config = replace(config, grpo=replace(config.grpo, rollout_importance_sampling_mode="token_truncate",
                                               rollout_importance_sampling_clip_max=spec.tis_cap))
+    return config, spec
+
+def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False, policy: Policy | None = None,
+              dataset=None, reward_funcs=None) -> Run:
+    "Set up a run: task and rewards (checked first), seeds, policy, engine, optimizer, output folder (and resume)."
+    config, spec = resolve_strategy(config, policy)
     config, task, rewards = task_and_rewards(config, dataset, reward_funcs)
     out_dir = Path(out_dir) if out_dir is not None else None
     plan = plan_run_folder(out_dir, config, resume, reward_record(rewards)) if out_dir is not None else RunFolderPlan(0)

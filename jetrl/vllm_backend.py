@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from .fp8 import KERNEL_BLOCK
 from .linear import FP8Recipe, FP8Linear, FP8InferenceLinear
-from .policy import Policy, SyncReport, HP_DTYPES
+from .policy import Policy, SyncReport
 from .rollout import Rollout, SamplingParams, _prompt_token_ids, _left_pad
 
 # %% ../nbs/05b_vllm.ipynb #cell-006
