@@ -20,6 +20,31 @@ def top_kernels(prof, n: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
 
 
+def kernel_totals(prof) -> dict:
+    "kernel name -> (total GPU us, calls)"
+    return {e.key: (e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def graphed_decode_kernels(engine, prompts, steps: int, n: int) -> str:
+    """The kernels of one graphed decode step: a profile of `steps` + 1 new tokens minus one of 1 new token (the
+    prefill and first sample), divided by `steps`. CUPTI records the kernels a CUDA graph replays."""
+    totals = []
+    for new in (1, steps + 1):
+        params = SamplingParams(max_new_tokens=new, seed=0, ignore_eos=True)
+        engine.generate(prompts, params)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, params); torch.cuda.synchronize()
+        totals.append(kernel_totals(prof))
+    short, long = totals
+    per_step = {k: ((t - short.get(k, (0, 0))[0]) / steps, (c - short.get(k, (0, 0))[1]) / steps) for k, (t, c) in long.items()}
+    per_step = {k: v for k, v in per_step.items() if v[0] > 0.5}
+    total = sum(t for t, _ in per_step.values())
+    lines = [f"kernel time per graphed decode step: {total / 1e3:.3f} ms over {sum(c for _, c in per_step.values()):.0f} kernels"]
+    for k, (t, c) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:n]:
+        lines.append(f"  {t:9.1f} us  {c:6.1f} calls  {t / max(c, 1e-9):7.2f} us/call  {k[:90]}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2-7b")
@@ -29,6 +54,7 @@ def main(argv=None):
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--top", type=int, default=22)
+    p.add_argument("--decode-only", action="store_true", help="only the graphed decode step's kernels")
     args = p.parse_args(argv)
     for strategy in args.strategies.split(","):
         model, tokenizer = build(args.model, torch.bfloat16)
@@ -40,6 +66,9 @@ def main(argv=None):
         graphed.generate(prompts, params)
         timing = graphed.generate(prompts, params).timing
         print(f"\n##### {strategy}: graphed decode {1e3 * timing['decode_s'] / 64:.2f} ms/step, prefill {1e3 * timing['prefill_s']:.1f} ms")
+        print(graphed_decode_kernels(graphed, prompts, 32, args.top), flush=True)
+        if args.decode_only:
+            del policy, graphed, model; torch.cuda.empty_cache(); continue
         eager = RolloutEngine(policy, chat_template=False, cuda_graphs=False)
         short = SamplingParams(max_new_tokens=args.decode_steps, seed=0, ignore_eos=True)
         eager.generate(prompts, short)

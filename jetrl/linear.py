@@ -107,11 +107,11 @@ def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, reci
     `w_kernel_scale` (`kernel_weight_scale(w_fp8)`, cached with a synced weight) only saves the kernel a re-layout."""
     x2d = x.reshape(-1, x.shape[-1])                                       # (M, K)
     x_fp8 = _quantize(x2d, recipe, "x", "fprop")
-    if _runs_invariant_fprop(x2d, w_fp8, recipe):                          # GPU: jetrl's batch-invariant GEMM
-        y2d = fp8_gemm_invariant(x_fp8, w_fp8, x.dtype, w_kernel_scale)
+    if _runs_invariant_fprop(x2d, w_fp8, recipe):       # GPU: jetrl's batch-invariant GEMM, the bias added in its last step
+        y2d = fp8_gemm_invariant(x_fp8, w_fp8, x.dtype, w_kernel_scale, bias)
     else:
         y2d = fp8_mm(x_fp8, w_fp8.t(), out_dtype=x.dtype, b_kernel_scale=w_kernel_scale)   # (M, N), fp32 accumulation
-    if bias is not None: y2d = y2d + bias.to(y2d.dtype)
+        if bias is not None: y2d = y2d + bias.to(y2d.dtype)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1]), x_fp8
 
 class FP8LinearFunction(torch.autograd.Function):

@@ -1,0 +1,105 @@
+"""Tile shapes of jetrl's batch-invariant FP8 GEMM against cuBLAS, at the GRPO step's shapes (one H200).
+
+    python benchmarks/fp8_gemm_tiles.py --out benchmarks/results/fp8_gemm_tiles_h200.jsonl
+
+For each (M, N, K) of a Qwen2 linear (trainer: 10,240 rows = 16 x 640 tokens; decode: 64 and 128 rows), times
+every candidate tile of `jetrl.kernels.launch_fp8_gemm` (a tile changes which program computes an output, never a
+bit: each candidate is checked equal to the default), cuBLAS's blockwise FP8 GEMM (`torch._scaled_mm`, not batch
+invariant) and cuBLAS BF16, all inside CUDA graphs (no launch gaps), and the activation quantizer at decode.
+Prints one line per shape: the default tile, the fastest tile, cuBLAS FP8 and BF16, in microseconds and TFLOP/s.
+"""
+import argparse, json, math, sys, platform
+import torch
+
+from jetrl.fp8 import quantize, fp8_mm, kernel_weight_scale
+from jetrl.kernels import quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles
+
+SHAPES = {   # (N, K) per linear; q/k/v and gate/up also fused (their weights concatenated along N)
+    "qwen2-7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "qkv": (4608, 3584), "gate/up": (18944, 3584),
+                 "gate+up": (37888, 3584), "down": (3584, 18944)},
+    "qwen2-0.5b": {"q/o": (896, 896), "k/v": (128, 896), "qkv": (1152, 896), "gate/up": (4864, 896),
+                   "gate+up": (9728, 896), "down": (896, 4864)},
+}
+TRAIN_TILES = [(128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (128, 128, 8, 3, 1), (128, 64, 4, 4, 8), (128, 64, 4, 3, 8),
+               (128, 64, 8, 4, 8), (64, 128, 4, 4, 8), (128, 256, 8, 3, 8), (256, 128, 8, 3, 8)]
+DECODE_BLOCK_N = (32, 64, 128)
+
+
+def graph_time_us(fn, reps: int = 20, rounds: int = 5) -> float:
+    "Median time of one call of fn, from a CUDA graph of `reps` calls replayed `rounds` times."
+    fn(); torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2): fn()
+    torch.cuda.current_stream().wait_stream(stream); torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps): fn()
+    graph.replay(); torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); graph.replay(); end.record(); end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w_hp = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    w = quantize(w_hp.float(), (128, 128))
+    w_scale = kernel_weight_scale(w)
+    x_fp8 = quantize_1x128(x)
+    default = fp8_gemm_tiles(M, N, K)
+    reference = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale, None, reference, default)
+    if M <= 256:
+        bm = default[0]
+        candidates = [(bm, bn, warps, stages, 1) for bn in DECODE_BLOCK_N for warps in (4, 8) for stages in (3, 5)]
+    else:
+        candidates = TRAIN_TILES
+    if default not in candidates: candidates = [default] + candidates
+    tiles = {}
+    for tile in candidates:
+        out = torch.empty_like(reference)
+        try:
+            us = graph_time_us(lambda: launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale, None, out, tile))
+        except Exception as e:                        # out of shared memory, say: not a candidate on this GPU
+            tiles[str(tile)] = {"error": type(e).__name__}; continue
+        same = torch.equal(out, reference)
+        tiles[str(tile)] = {"us": round(us, 2), "same_bits": same}
+        if not same: print(f"!! {model} {name} M={M} tile {tile}: OTHER BITS than the default tile", flush=True)
+    flops = 2 * M * N * K
+    row = {"model": model, "linear": name, "M": M, "N": N, "K": K, "default_tile": str(default), "tiles": tiles,
+           "cublas_fp8_us": round(graph_time_us(lambda: fp8_mm(x_fp8, w.t(), torch.bfloat16, b_kernel_scale=w_scale)), 2),
+           "cublas_bf16_us": round(graph_time_us(lambda: x @ w_hp.t()), 2)}
+    if M <= 256: row["quantize_us"] = round(graph_time_us(lambda: quantize_1x128(x)), 2)
+    ok = {t: v["us"] for t, v in tiles.items() if "us" in v and v["same_bits"]}
+    best = min(ok, key=ok.get)
+    row |= {"default_us": tiles[str(default)].get("us"), "best_tile": best, "best_us": ok[best]}
+    tf = lambda us: f"{flops / us / 1e6:6.0f}"
+    print(f"{model:10s} {name:8s} M={M:5d} N={N:5d} K={K:5d} | default {row['default_us']:8.1f} us ({tf(row['default_us'])} TF) "
+          f"| best {best} {ok[best]:8.1f} us ({tf(ok[best])} TF) | cuBLAS fp8 {row['cublas_fp8_us']:8.1f} ({tf(row['cublas_fp8_us'])}) "
+          f"bf16 {row['cublas_bf16_us']:8.1f} ({tf(row['cublas_bf16_us'])})"
+          + (f" | quantize {row['quantize_us']:.1f} us" if "quantize_us" in row else ""), flush=True)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="qwen2-7b,qwen2-0.5b")
+    p.add_argument("--rows", default="10240,64,128", help="M values: trainer micro-batch tokens, decode batch rows")
+    p.add_argument("--out", default=None, help="append one JSON line per shape")
+    args = p.parse_args(argv)
+    meta = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for model in args.models.split(","):
+        for M in map(int, args.rows.split(",")):
+            for name, (N, K) in SHAPES[model].items():
+                row = measure(model, name, M, N, K) | meta
+                if args.out:
+                    with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
