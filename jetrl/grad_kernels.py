@@ -124,7 +124,7 @@ def _quantize_kernels() -> dict:
     return dict(quantize_dual=quantize_dual)
 
 # %% ../nbs/00b_grad_kernels.ipynb #2a6e845a
-DUAL_LAUNCH = dict(CHUNK=32, num_warps=8)      # rows in registers at once, warps per 128x128 tile (ptxas, sm_90: ~110 registers)
+DUAL_LAUNCH = dict(CHUNK=32, num_warps=8)      # rows of a 128x128 tile in registers at once, warps per tile
 REQUANTIZE_LAUNCH = dict(CHUNK=32, num_warps=8)
 
 def _fp8_constants(fmt: str) -> dict:
