@@ -99,7 +99,7 @@ def _quantize_kernels() -> dict:
         # One G x G tile of x (M, N), CHUNK rows at a time. Rows: 1xG groups, into q (M, N), a scale per row. Columns:
         # Gx1 groups along the tokens; their amax gathered on the way down, then the chunks read again (from cache)
         # and written transposed into qt (N, M), as Wgrad's GEMM reads it.
-        tile_m, tile_n = tl.program_id(0), tl.program_id(1)
+        tile_m, tile_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)   # 64-bit offsets: M * N may pass 2^31
         cols = tile_n * G + tl.arange(0, G)
         col_ok = cols < N
         col_amax = tl.zeros((1, G), dtype=tl.float32)
@@ -200,7 +200,7 @@ def _requantize_kernels() -> dict:
         # One G x G tile of the saved FP8 x (M, K), CHUNK rows at a time: dequantized in the backward's dtype, the
         # columns' amax gathered, then each chunk again (from cache) quantized in Gx1 groups along the tokens and
         # written transposed into qt (K, M), as Wgrad's GEMM reads it.
-        tile_m, tile_k = tl.program_id(0), tl.program_id(1)
+        tile_m, tile_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)   # 64-bit offsets: M * K may pass 2^31
         cols = tile_k * G + tl.arange(0, G)
         col_amax = tl.zeros((1, G), dtype=tl.float32)
         for start in range(0, G, CHUNK):

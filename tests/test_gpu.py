@@ -391,6 +391,30 @@ def test_fused_backward_equals_old_passes_bitwise_on_gpu():
     assert torch.equal(xi.grad, new[0]) and torch.equal(wi.grad, new[1])
 
 
+
+@cuda
+def test_fused_grad_quantizers_past_2_31_values():
+    """M * N above 2^31 (e.g. 128 rows x 1024 tokens at N = 16640): the last tile lands where a 32-bit offset would wrap.
+    (quantize_1x128 computes 32-bit offsets: only 128-row slices go through it here.)"""
+    from jetrl.fp8 import FP8Tensor
+    from jetrl.grad_kernels import quantize_dual_1x128, requantize_for_wgrad
+    from jetrl.kernels import quantize_1x128
+    M, N = 131072, 16640
+    assert M * N > 2**31
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    for_dgrad, for_wgrad = quantize_dual_1x128(dy)
+    tail = dy[-128:]                                                          # the last group of tokens, on its own
+    assert _same_bytes(FP8Tensor(for_dgrad.data[-128:], for_dgrad.scale[-128:], (1, 128), "e4m3"), quantize_1x128(tail))
+    last_group = quantize_1x128(tail.t())
+    assert torch.equal(for_wgrad.t().data[:, -128:].view(torch.uint8), last_group.data.view(torch.uint8))
+    assert torch.equal(for_wgrad.t().scale[:, -1:], last_group.scale)
+    x_fp8, for_wgrad = for_dgrad, None                       # dy's 1x128 copy, as if an x (M, K = 16640) had been saved
+    x_wgrad = requantize_for_wgrad(x_fp8, torch.bfloat16)
+    tail_fp8 = FP8Tensor(x_fp8.data[-128:], x_fp8.scale[-128:], (1, 128), "e4m3")
+    want = quantize_1x128(tail_fp8.dequantize(torch.bfloat16).t())
+    assert torch.equal(x_wgrad.t().data[:, -128:].view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(x_wgrad.t().scale[:, -1:], want.scale)
+
 def _cuda_ms(fn, iters=20):
     "Median milliseconds of fn() by CUDA events, after two warm-up calls (Triton compiles on the first)."
     fn(); fn(); torch.cuda.synchronize()
