@@ -15,7 +15,7 @@ import torch
 from .fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK
 from .kernels import HAS_TRITON, INTERPRETING, _triton, invariant_kernels_available
 
-# %% ../nbs/00b_grad_kernels.ipynb #d7666d90
+# %% ../nbs/00b_grad_kernels.ipynb #472a236b
 def _grid(dtype: torch.dtype) -> dict:
     "A float format's grid as the kernels take it: fraction bits, smallest normal exponent, largest finite value."
     info = torch.finfo(dtype)
@@ -70,7 +70,7 @@ def _round_to_format(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if n: _device_functions()["round_to_grid"][(math.ceil(n / 1024),)](x32, out, n, **_grid(dtype), BLOCK=1024)
     return out
 
-# %% ../nbs/00b_grad_kernels.ipynb #bac1da46
+# %% ../nbs/00b_grad_kernels.ipynb #f7281546
 @functools.cache
 def _quantize_kernels() -> dict:
     "The scale and quantize steps every kernel shares, built once (after the exact rounding they call)."
@@ -123,7 +123,7 @@ def _quantize_kernels() -> dict:
 
     return dict(quantize_dual=quantize_dual)
 
-# %% ../nbs/00b_grad_kernels.ipynb #2a6e845a
+# %% ../nbs/00b_grad_kernels.ipynb #5f014467
 DUAL_LAUNCH = dict(CHUNK=32, num_warps=8)      # rows of a 128x128 tile in registers at once, warps per tile
 REQUANTIZE_LAUNCH = dict(CHUNK=32, num_warps=8)
 
@@ -168,7 +168,7 @@ def quantize_dual_1x128(dy2d: torch.Tensor, fmt: str = "e4m3") -> tuple[FP8Tenso
     data, scale, data_t, scale_t = _quantize_dual_op(dy2d, fmt)
     return FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt), FP8Tensor(data_t, scale_t, (1, KERNEL_BLOCK), fmt).t()
 
-# %% ../nbs/00b_grad_kernels.ipynb #596a8cdf
+# %% ../nbs/00b_grad_kernels.ipynb #6af4821c
 @functools.cache
 def _requantize_kernels() -> dict:
     "Wgrad's x from its FP8 copy, built once."
@@ -219,7 +219,7 @@ def _requantize_kernels() -> dict:
 
     return dict(requantize_for_wgrad=requantize_for_wgrad)
 
-# %% ../nbs/00b_grad_kernels.ipynb #ba777b9c
+# %% ../nbs/00b_grad_kernels.ipynb #2f156825
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the backward's dtypes the requantizer rounds to
 
 @torch.library.custom_op("jetrl::requantize_for_wgrad", mutates_args=())
@@ -260,7 +260,7 @@ def requantize_for_wgrad(x_fp8: FP8Tensor, hp_dtype: torch.dtype = torch.bfloat1
     data_t, scale_t = _requantize_op(x_fp8.data, x_fp8.scale, hp_dtype, fmt)
     return FP8Tensor(data_t, scale_t, (1, G), fmt).t()
 
-# %% ../nbs/00b_grad_kernels.ipynb #80b21087
+# %% ../nbs/00b_grad_kernels.ipynb #f71e7e23
 _FUSED_GRAD_QUANTIZERS: bool | None = None     # None: by device (a CUDA tensor with Triton); True / False: forced
 
 @contextmanager
