@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
                        KERNEL_BLOCK, has_fp8_kernel)
 from .kernels import quantize_1x128, fp8_gemm_invariant, invariant_kernels_available, linear_invariant
+from .grad_kernels import HP_DTYPES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers_active
 
 # %% ../nbs/01_linear.ipynb #7acb8cdc
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -142,22 +143,36 @@ class FP8LinearFunction(torch.autograd.Function):
         recipe = ctx.recipe
         saved_x, saved_x_scale, hp_weight = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])                                # (M, N)
-        x2d = saved_x if saved_x_scale is None else \
-            FP8Tensor(saved_x, saved_x_scale, ctx.x_block, ctx.x_fmt).dequantize(dy.dtype)   # (M, K)
+        x_fp8 = None if saved_x_scale is None else FP8Tensor(saved_x, saved_x_scale, ctx.x_block, ctx.x_fmt)
+        def x_hp():                                                        # (M, K) in dy's dtype, made only where needed
+            return saved_x if x_fp8 is None else x_fp8.dequantize(dy.dtype)
+        fp8_dgrad = ctx.needs_input_grad[0] and recipe.is_fp8("dgrad")
+        fp8_wgrad = ctx.needs_input_grad[1] and recipe.is_fp8("wgrad")
+        # blockwise 1x128 where the Triton quantizers run: dy's two layouts in one pass, Wgrad's x straight from its
+        # FP8 copy (jetrl.grad_kernels), the same bytes as the separate passes below
+        fused = (recipe.block("dy", "dgrad") == (1, KERNEL_BLOCK) and not recipe.pow2_scale and dy.dtype in HP_DTYPES
+                 and fused_grad_quantizers_active(dy.device))
+        dy_dgrad = dy_wgrad = None
+        if fused and fp8_dgrad and fp8_wgrad: dy_dgrad, dy_wgrad = quantize_dual_1x128(dy2d, recipe.grad_fmt)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            if recipe.is_fp8("dgrad"):
+            if fp8_dgrad:
                 w_fp8 = ctx.w_fp8 if ctx.w_fp8 is not None else _quantize(hp_weight, recipe, "w", "dgrad", True)
-                dx = fp8_mm(_quantize(dy2d, recipe, "dy", "dgrad"), w_fp8, out_dtype=dy.dtype)
+                if dy_dgrad is None: dy_dgrad = _quantize(dy2d, recipe, "dy", "dgrad")
+                dx = fp8_mm(dy_dgrad, w_fp8, out_dtype=dy.dtype)
             else:
                 dx = dy2d @ hp_weight.to(dy.dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            if recipe.is_fp8("wgrad"):
-                dw = fp8_mm(_quantize(dy2d, recipe, "dy", "wgrad", True).t(), _quantize(x2d, recipe, "x", "wgrad", True),
-                            out_dtype=hp_weight.dtype)                  # (N, K), accumulated in fp32
+            if fp8_wgrad:
+                if dy_wgrad is None: dy_wgrad = _quantize(dy2d, recipe, "dy", "wgrad", True)
+                if fused and x_fp8 is not None and x_fp8.block == (1, KERNEL_BLOCK):
+                    x_wgrad = requantize_for_wgrad(x_fp8, dy.dtype, recipe.act_fmt)
+                else:
+                    x_wgrad = _quantize(x_hp(), recipe, "x", "wgrad", True)
+                dw = fp8_mm(dy_wgrad.t(), x_wgrad, out_dtype=hp_weight.dtype)   # (N, K), accumulated in fp32
             else:
-                dw = (dy2d.float().t() @ x2d.float()).to(hp_weight.dtype)
+                dw = (dy2d.float().t() @ x_hp().float()).to(hp_weight.dtype)
         dbias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         ctx.w_fp8 = None
         return dx, dw, dbias, None, None, None

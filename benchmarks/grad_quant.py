@@ -1,0 +1,142 @@
+"""Time the FP8 linear's backward quantization on a GPU: the old passes against jetrl.grad_kernels' fused ones.
+
+    python benchmarks/grad_quant.py                      # Qwen2-7B linears, 16 x 640 = 10240 tokens
+    python benchmarks/grad_quant.py --sweep --out benchmarks/results/grad_quant_h200.jsonl
+
+Per linear shape (M tokens, K inputs, N outputs), blockwise recipe, bf16 activations and gradients:
+- old: (a) the saved FP8 x dequantized to bf16 (eager), (b) that copy quantized along the tokens (x.T, 1x128),
+  (c) dy in 1x128 groups, (d) dy.T in 1x128 groups; new: `requantize_for_wgrad` (replaces a + b) and
+  `quantize_dual_1x128` (replaces c + d). Each pass: median ms (CUDA events) and the bandwidth of the bytes it must
+  move at least (inputs read once, outputs written once);
+- the bytes and scales of old and new, compared (torch.equal on the codes);
+- one FP8LinearFunction forward + backward, old passes vs fused, its dx and dW compared bit for bit.
+--sweep also times the kernels at other launches (rows per chunk, warps), to tune DUAL_LAUNCH / REQUANTIZE_LAUNCH.
+"""
+import argparse, json, sys
+import torch
+
+from jetrl import grad_kernels
+from jetrl.grad_kernels import quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers
+from jetrl.kernels import quantize_1x128
+from jetrl.linear import FP8LinearFunction, get_recipe
+
+QWEN2_7B = "3584x18944,18944x3584,3584x3584,3584x512"      # K x N: gate/up, down, q/o, k/v
+SWEEP = [dict(CHUNK=16, num_warps=4), dict(CHUNK=32, num_warps=4), dict(CHUNK=32, num_warps=8),
+         dict(CHUNK=64, num_warps=8), dict(CHUNK=128, num_warps=8)]
+
+
+def median_ms(fn, warmup: int = 3, reps: int = 20) -> float:
+    "Median time of fn() in ms by CUDA events, after `warmup` calls (Triton compiles on the first)."
+    for _ in range(warmup): fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); fn(); end.record(); torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def same_bytes(a, b) -> bool:
+    return (a.data.shape == b.data.shape and a.data.stride() == b.data.stride() and a.block == b.block
+            and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale))
+
+
+def passes(M: int, K: int, N: int) -> dict:
+    "Old and new passes at one shape: ms, GB/s of the least bytes each must move, and whether the bytes agree."
+    torch.manual_seed(0)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    x_fp8 = quantize_1x128(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    x_bf16 = x_fp8.dequantize(torch.bfloat16)
+    scale_bytes = lambda rows, cols: 4 * rows * -(-cols // 128)
+    timed = {   # name: (function, least bytes moved)
+        "old_a_dequantize_x": (lambda: x_fp8.dequantize(torch.bfloat16), M * K * 3 + scale_bytes(M, K)),
+        "old_b_quantize_xT": (lambda: quantize_1x128(x_bf16.t()), M * K * 3 + scale_bytes(K, M)),
+        "old_c_quantize_dy": (lambda: quantize_1x128(dy), M * N * 3 + scale_bytes(M, N)),
+        "old_d_quantize_dyT": (lambda: quantize_1x128(dy.t()), M * N * 3 + scale_bytes(N, M)),
+        "new_requantize_x": (lambda: requantize_for_wgrad(x_fp8, torch.bfloat16), M * K * 2 + scale_bytes(M, K) + scale_bytes(K, M)),
+        "new_dual_dy": (lambda: quantize_dual_1x128(dy), M * N * 4 + scale_bytes(M, N) + scale_bytes(N, M)),
+    }
+    row = {}
+    for name, (fn, nbytes) in timed.items():
+        row[name + "_ms"] = ms = median_ms(fn)
+        row[name + "_gbps"] = nbytes / ms / 1e6
+    row["old_total_ms"] = sum(v for k, v in row.items() if k.startswith("old_") and k.endswith("_ms"))
+    row["new_total_ms"] = row["new_requantize_x_ms"] + row["new_dual_dy_ms"]
+    dgrad, wgrad = quantize_dual_1x128(dy)
+    row["bytes_equal"] = (same_bytes(dgrad, quantize_1x128(dy)) and same_bytes(wgrad, quantize_1x128(dy.t()).t())
+                          and same_bytes(requantize_for_wgrad(x_fp8, torch.bfloat16), quantize_1x128(x_bf16.t()).t()))
+    return row
+
+
+def layer_step(M: int, K: int, N: int) -> dict:
+    "One FP8LinearFunction forward + backward (bf16), old passes vs fused: ms, and dx / dW compared bit for bit."
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    recipe, row, grads = get_recipe("blockwise"), {}, {}
+    for fused in (False, True):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        def step():
+            xi.grad = wi.grad = None
+            FP8LinearFunction.apply(xi, wi, None, recipe).backward(dy)
+        with fused_grad_quantizers(fused):
+            row[f"layer_{'new' if fused else 'old'}_ms"] = median_ms(step, reps=10)
+            step()
+        grads[fused] = (xi.grad, wi.grad)
+    row["grads_equal"] = torch.equal(grads[False][0], grads[True][0]) and torch.equal(grads[False][1], grads[True][1])
+    return row
+
+
+def sweep(M: int, K: int, N: int) -> list[dict]:
+    "The two kernels at other launches (all give the same bytes; only the time changes)."
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    x_fp8 = quantize_1x128(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    defaults, rows = (dict(grad_kernels.DUAL_LAUNCH), dict(grad_kernels.REQUANTIZE_LAUNCH)), []
+    try:
+        for launch in SWEEP:
+            grad_kernels.DUAL_LAUNCH.clear(); grad_kernels.DUAL_LAUNCH.update(launch)
+            grad_kernels.REQUANTIZE_LAUNCH.clear(); grad_kernels.REQUANTIZE_LAUNCH.update(launch)
+            rows.append(dict(launch, dual_ms=median_ms(lambda: quantize_dual_1x128(dy)),
+                             requantize_ms=median_ms(lambda: requantize_for_wgrad(x_fp8, torch.bfloat16))))
+    finally:
+        for table, default in zip((grad_kernels.DUAL_LAUNCH, grad_kernels.REQUANTIZE_LAUNCH), defaults):
+            table.clear(); table.update(default)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=10240, help="M: rows of a micro-batch (16 x 640 by default)")
+    p.add_argument("--shapes", default=QWEN2_7B, help="comma-separated KxN of the linears")
+    p.add_argument("--sweep", action="store_true", help="also time other launches of the two kernels")
+    p.add_argument("--out", help="append one JSON line per shape to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
+    M, ok = args.tokens, True
+    for shape in args.shapes.split(","):
+        K, N = map(int, shape.split("x"))
+        row = dict(M=M, K=K, N=N, **passes(M, K, N), **layer_step(M, K, N))
+        print(f"\nM={M} K={K} N={N}")
+        for name in ("old_a_dequantize_x", "old_b_quantize_xT", "old_c_quantize_dy", "old_d_quantize_dyT",
+                     "new_requantize_x", "new_dual_dy"):
+            print(f"  {name:20} {row[name + '_ms']:8.3f} ms  {row[name + '_gbps']:7.0f} GB/s")
+        print(f"  passes: old {row['old_total_ms']:.3f} ms, new {row['new_total_ms']:.3f} ms "
+              f"({row['old_total_ms'] / row['new_total_ms']:.2f}x); bytes equal: {row['bytes_equal']}")
+        print(f"  FP8LinearFunction fwd+bwd: old {row['layer_old_ms']:.3f} ms, new {row['layer_new_ms']:.3f} ms; "
+              f"dx, dW bit for bit: {row['grads_equal']}")
+        if args.sweep:
+            row["sweep"] = sweep(M, K, N)
+            for r in row["sweep"]:
+                print(f"  launch CHUNK={r['CHUNK']:3} warps={r['num_warps']}: dual {r['dual_ms']:.3f} ms, "
+                      f"requantize {r['requantize_ms']:.3f} ms")
+        ok &= row["bytes_equal"] and row["grads_equal"]
+        row.update(command="python " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+        if args.out:
+            with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+    if not ok: sys.exit("MISMATCH: the fused passes gave other bytes or gradients than the old ones")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Tests of `jetrl.grad_kernels`: the fused backward quantizers give the CPU quantizer's bytes and scales (partial groups,
+zero rows, E4M3 and E5M2, bf16 / fp16 / fp32 inputs), and FP8LinearFunction's backward through them equals the old
+passes' dx and dW bit for bit. The kernels run where Triton runs: on a CUDA GPU, or on the CPU under Triton's interpreter
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_grad_kernels.py        (Triton installed; ~1 minute on 2 cores)
+
+Elsewhere (CI: no Triton) those tests are skipped and only the input checks and errors run."""
+import pytest
+import torch
+
+import jetrl.linear
+from jetrl.fp8 import FP8Tensor, KERNEL_BLOCK, quantize_unchecked
+from jetrl.kernels import HAS_TRITON, INTERPRETING, invariant_kernels_available
+from jetrl.grad_kernels import (HP_DTYPES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers,
+                                fused_grad_quantizers_active, _round_to_format)
+from jetrl.linear import FP8Recipe, FP8LinearFunction, _quantize
+
+G = KERNEL_BLOCK
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not invariant_kernels_available(DEVICE),
+                                   reason="needs Triton: a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
+RECIPE = FP8Recipe("blockwise")
+# partial groups along both dimensions, exactly one group, a single row, no rows, no columns
+SHAPES = [(300, 200), (128, 256), (1, 5), (0, 200), (200, 0)]
+
+
+def assert_same_fp8(got: FP8Tensor, want: FP8Tensor):
+    "The same codes byte for byte, the same scales, block, format and shape; the data in the layout of `want`."
+    assert (got.block, got.fmt, got.data.shape, got.scale.shape) == (want.block, want.fmt, want.data.shape, want.scale.shape)
+    assert torch.equal(got.data.cpu().view(torch.uint8), want.data.cpu().view(torch.uint8)), "FP8 codes differ"
+    assert torch.equal(got.scale.cpu(), want.scale.cpu()), "scales differ"
+
+
+def transposed_oracle(t: torch.Tensor, fmt: str) -> FP8Tensor:
+    "What the old backward hands Wgrad: `_quantize(t, recipe, operand, 'wgrad', True)` on the CPU quantizer."
+    return _quantize(t, FP8Recipe("oracle", act_fmt=fmt, grad_fmt=fmt), "dy", "wgrad", True)
+
+
+def ragged_values(M: int, N: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    "Columns spanning six decades of magnitude (so scales differ a lot), row 1 all zeros (scale 1)."
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(M, N, generator=g) * torch.logspace(-3, 3, N)
+    t[1:2] = 0
+    return t.to(dtype)
+
+
+# ---- the exact rounding that the kernels use under the interpreter (its own casts are wrong) ----
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16])
+def test_exact_rounding_equals_torch_cast(dtype):
+    "Every code (a sample for 16-bit formats), the ties between neighbours and the floats beside them: torch's cast, bit for bit."
+    bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
+    codes = (bits.to(torch.uint8) if dtype.itemsize == 1 else bits.to(torch.int16)).view(dtype).float()
+    codes = codes[torch.isfinite(codes)].unique()
+    if dtype.itemsize == 2: codes = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(0))[:4096]].sort().values
+    ties = ((codes[1:].double() + codes[:-1].double()) / 2).float()
+    x32 = torch.cat([codes, ties, torch.nextafter(ties, torch.tensor(float("inf"))), torch.nextafter(ties, torch.tensor(-float("inf"))),
+                     torch.tensor([0.0, -0.0, 1e-45, -1e-45, 2.0**-126, 3 * 2.0**-134])])
+    got = _round_to_format(x32.to(DEVICE), dtype).cpu()
+    assert torch.equal(got.view(torch.int32), x32.to(dtype).float().view(torch.int32))
+
+
+# ---- dy: one pass, both layouts ----
+
+@needs_kernels
+@pytest.mark.parametrize("M, N", SHAPES)
+@pytest.mark.parametrize("fmt, dtype", [("e4m3", torch.bfloat16), ("e5m2", torch.bfloat16), ("e4m3", torch.float32),
+                                        ("e5m2", torch.float16)])
+def test_dual_equals_cpu_quantizer(M, N, fmt, dtype):
+    dy = ragged_values(M, N, dtype)
+    for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE), fmt)
+    assert_same_fp8(for_dgrad, quantize_unchecked(dy, (1, G), fmt))
+    want = transposed_oracle(dy, fmt)
+    assert_same_fp8(for_wgrad, want)
+    if dy.numel(): assert for_dgrad.data.is_contiguous() and for_wgrad.data.stride() == want.data.stride()   # (1, M): dy.T
+    assert for_wgrad.t().data.is_contiguous() and for_wgrad.t().scale.is_contiguous()
+
+
+@needs_kernels
+def test_dual_reads_a_strided_gradient():
+    "A transposed view (column-major dy) gives the same bytes as its contiguous copy."
+    dy = ragged_values(260, 300, torch.bfloat16).t()                   # (300, 260), strides (1, 300)
+    for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE))
+    assert_same_fp8(for_dgrad, quantize_unchecked(dy, (1, G)))
+    assert_same_fp8(for_wgrad, transposed_oracle(dy.contiguous(), "e4m3"))
+
+
+# ---- x: Wgrad's operand from the saved FP8 copy ----
+
+@needs_kernels
+@pytest.mark.parametrize("M, K", SHAPES)
+@pytest.mark.parametrize("act_fmt, hp_dtype", [("e4m3", torch.bfloat16), ("e5m2", torch.bfloat16), ("e4m3", torch.float32),
+                                               ("e4m3", torch.float16)])
+def test_requantize_equals_dequantize_then_quantize(M, K, act_fmt, hp_dtype):
+    x_fp8 = quantize_unchecked(ragged_values(M, K, torch.bfloat16, seed=1), (1, G), act_fmt)
+    x_fp8 = FP8Tensor(x_fp8.data.contiguous().to(DEVICE), x_fp8.scale.to(DEVICE), x_fp8.block, act_fmt)
+    got = requantize_for_wgrad(x_fp8, hp_dtype)
+    want = transposed_oracle(FP8Tensor(x_fp8.data.cpu(), x_fp8.scale.cpu(), (1, G), act_fmt).dequantize(hp_dtype), act_fmt)
+    assert_same_fp8(got, want)
+    if got.data.numel(): assert got.data.stride() == want.data.stride()
+
+
+@needs_kernels
+def test_requantize_rounds_to_the_backward_dtype_first():
+    "The rounding to bf16 changes scales and codes: a kernel that skipped it would fail the test above, and this one."
+    x_fp8 = quantize_unchecked(ragged_values(300, 256, torch.bfloat16, seed=2), (1, G))
+    rounded, unrounded = (transposed_oracle(x_fp8.dequantize(dtype), "e4m3") for dtype in (torch.bfloat16, torch.float32))
+    assert (rounded.scale != unrounded.scale).float().mean() > 0.3                          # measured: ~70%
+    on_device = FP8Tensor(x_fp8.data.contiguous().to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3")
+    assert_same_fp8(requantize_for_wgrad(on_device, torch.bfloat16), rounded)
+    assert_same_fp8(requantize_for_wgrad(on_device, torch.float32), unrounded)
+
+
+@needs_kernels
+def test_requantize_output_format():
+    "fmt= picks the output's format independently of the saved copy's."
+    x_fp8 = quantize_unchecked(ragged_values(200, 130, torch.bfloat16), (1, G), "e4m3")
+    got = requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"), torch.bfloat16, "e5m2")
+    assert_same_fp8(got, transposed_oracle(x_fp8.dequantize(torch.bfloat16), "e5m2"))
+
+
+# ---- the whole backward: fused against the old passes ----
+
+def run_backward(x, w, dy, recipe, bias=None, grads=(True, True)):
+    "dx, dW (and db) of FP8LinearFunction for the given inputs."
+    xi, wi = x.clone().requires_grad_(grads[0]), w.clone().requires_grad_(grads[1])
+    bi = None if bias is None else bias.clone().requires_grad_()
+    FP8LinearFunction.apply(xi, wi, bi, recipe).backward(dy)
+    return [None if t is None else t.grad for t in (xi, wi, bi)]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    "Counts the backward's calls of the two fused quantizers."
+    calls = {"dual": 0, "requantize": 0}
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(jetrl.linear, "quantize_dual_1x128", counting("dual", quantize_dual_1x128))
+    monkeypatch.setattr(jetrl.linear, "requantize_for_wgrad", counting("requantize", requantize_for_wgrad))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("recipe", [FP8Recipe("blockwise"), FP8Recipe("e5m2-grads", grad_fmt="e5m2"),
+                                    FP8Recipe("e5m2-acts", act_fmt="e5m2")], ids=lambda r: r.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_backward_equals_old_passes_bitwise(recipe, dtype, kernel_calls):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 150, 200, generator=g).to(dtype).to(DEVICE)              # 300 tokens, K = 200: partial groups
+    w = (torch.randn(136, 200, generator=g) / 200**0.5).to(dtype).to(DEVICE)
+    dy, bias = torch.randn(2, 150, 136, generator=g).to(dtype).to(DEVICE), torch.randn(136).to(dtype).to(DEVICE)
+    with fused_grad_quantizers(False): old = run_backward(x, w, dy, recipe, bias)
+    assert kernel_calls == {"dual": 0, "requantize": 0}
+    with fused_grad_quantizers(True): new = run_backward(x, w, dy, recipe, bias)
+    assert kernel_calls == {"dual": 1, "requantize": 1}                         # the new path did run
+    for name, a, b in zip(("dx", "dW", "db"), old, new):
+        assert torch.equal(a, b), f"{recipe.name} {dtype}: {name} differs"
+
+
+@needs_kernels
+@pytest.mark.parametrize("grads", [(False, True), (True, False)], ids=["weight-only", "input-only"])
+def test_fused_backward_with_one_gradient(grads, kernel_calls):
+    "Only dW (a first layer) or only dx (a frozen weight): no dual pass; the remaining operand as before, same bits."
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = torch.randn(260, 384, generator=g), torch.randn(200, 384, generator=g) / 20, torch.randn(260, 200, generator=g)
+    x, w, dy = (t.to(torch.bfloat16).to(DEVICE) for t in (x, w, dy))
+    with fused_grad_quantizers(False): old = run_backward(x, w, dy, RECIPE, grads=grads)
+    with fused_grad_quantizers(True): new = run_backward(x, w, dy, RECIPE, grads=grads)
+    assert kernel_calls == {"dual": 0, "requantize": int(grads[1])}
+    for a, b in zip(old, new):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("recipe", [FP8Recipe("pow2", pow2_scale=True), FP8Recipe("rowwise", "rowwise"),
+                                    FP8Recipe("tensorwise", "tensorwise"), FP8Recipe("g64", group_size=64),
+                                    FP8Recipe("fprop-bf16", fp8_gemms=("dgrad", "wgrad"))], ids=lambda r: r.name)
+def test_other_recipes_keep_the_old_passes(recipe, kernel_calls):
+    "Power-of-two scales, other granularities and group sizes never reach the kernels; an x saved in high precision is quantized as before."
+    g = torch.Generator().manual_seed(2)
+    x, w, dy = torch.randn(256, 256, generator=g), torch.randn(128, 256, generator=g) / 16, torch.randn(256, 128, generator=g)
+    with fused_grad_quantizers(True): new = run_backward(x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE), recipe)
+    with fused_grad_quantizers(False): old = run_backward(x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE), recipe)
+    uses_dual = recipe.name == "fprop-bf16"                # blockwise 1x128 gradients; only x comes unquantized
+    assert kernel_calls == {"dual": int(uses_dual), "requantize": 0}
+    for a, b in zip(old, new):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+# ---- routing and errors (these run everywhere, Triton or not) ----
+
+def test_default_routing_keeps_the_cpu_path():
+    assert not fused_grad_quantizers_active("cpu")
+    with fused_grad_quantizers(False): assert not fused_grad_quantizers_active("cuda")
+    assert fused_grad_quantizers_active("cuda") == HAS_TRITON       # by default: any CUDA tensor, where Triton is installed
+
+
+def test_forcing_the_kernels_without_triton_fails_clearly():
+    if HAS_TRITON:
+        with fused_grad_quantizers(True): assert fused_grad_quantizers_active("cpu")
+    else:
+        with pytest.raises(RuntimeError, match="needs Triton"):
+            with fused_grad_quantizers(True): pass
+    assert not fused_grad_quantizers_active("cpu")          # restored on the way out
+
+
+@pytest.mark.skipif(invariant_kernels_available("cpu"), reason="the interpreter runs the kernels on the CPU")
+def test_kernels_on_a_cpu_tensor_fail_clearly():
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        quantize_dual_1x128(torch.randn(4, 8))
+    x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
+    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+        requantize_for_wgrad(x_fp8)
+
+
+def test_bad_inputs_fail_before_any_work():
+    with pytest.raises(ValueError, match="2-D high-precision"): quantize_dual_1x128(torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="2-D high-precision"): quantize_dual_1x128(torch.randn(4, 8).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="Unknown FP8 format"): quantize_dual_1x128(torch.randn(4, 8), "e3m4")
+    x32 = torch.randn(256, 256)
+    with pytest.raises(ValueError, match="1x128 groups"): requantize_for_wgrad(quantize_unchecked(x32, (128, 128)))
+    with pytest.raises(ValueError, match="1x128 groups"): requantize_for_wgrad(quantize_unchecked(x32, (1, 64)))
+    with pytest.raises(ValueError, match="backward's dtype"): requantize_for_wgrad(quantize_unchecked(x32, (1, G)), torch.float64)
+    assert torch.float64 not in HP_DTYPES
