@@ -77,10 +77,15 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-fused-grad", action="store_true",
+                   help="the FP8 backward's separate quantizer passes instead of jetrl.grad_kernels' fused ones (to compare)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
     args = p.parse_args(argv)
+    if args.no_fused_grad:
+        from jetrl.grad_kernels import fused_grad_quantizers
+        fused_grad_quantizers(False).__enter__()                     # for the whole process
     world = None
     if args.distributed:
         from jetrl.distributed import init_world, shard_policy, sync_rollout_weights, rank_block
