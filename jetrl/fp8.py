@@ -165,6 +165,7 @@ def kernel_layout(a: FP8Tensor, b: FP8Tensor) -> str | None:
     G = KERNEL_BLOCK
     if _is_whole(a) and _is_whole(b): return "tensorwise"
     if a.block == (1, K) and b.block == (K, 1): return "rowwise"
+    if (a.fmt, b.fmt) != ("e4m3", "e4m3"): return None      # cuBLAS's blockwise FP8 GEMM takes E4M3 operands only
     if a.block == (1, G) and b.block == (G, G): return "blockwise_1x128_128x128"
     if a.block == (1, G) and b.block == (G, 1): return "blockwise_1x128_1x128"
     return None
