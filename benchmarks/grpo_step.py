@@ -115,7 +115,11 @@ def main(argv=None):
             if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
             steps = [grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync) for _ in range(args.steps)]
             row = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-            if world: row["tokens"] *= world.size                      # every rank generates as many (EOS ignored)
+            if world:
+                row["tokens"] *= world.size                            # every rank generates as many (EOS ignored)
+                other = "hp" if args.sync_format == "fp8" else "fp8"    # the other wire format, one sync: its bytes and time
+                report = sync_rollout_weights(policy, world, other)
+                row |= {f"sync_s_{other}": report.seconds, f"sync_bytes_{other}": report.bytes}
             row |= dict(model=args.model, layers=model.config.num_hidden_layers, strategy=strategy, mode=mode,
                         prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,

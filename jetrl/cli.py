@@ -159,7 +159,7 @@ def _run(args) -> int:
         print(f"report: {report}")
         return 0
     except (ValueError, TypeError, OSError, ImportError) as e:   # OSError: FileExistsError, FileNotFoundError, a full disk...
-        print(f"jetrl: error: {e}", file=sys.stderr)
+        if _is_main_process() or not getattr(e, "same_on_every_rank", False): print(f"jetrl: error: {e}", file=sys.stderr)   # 08a
         return 2
     except RankLostError as e:
         print(f"jetrl: error: {e}", file=sys.stderr)

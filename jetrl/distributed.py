@@ -10,10 +10,10 @@ __all__ = ['TIMEOUT_ENV', 'DEFAULT_TIMEOUT_S', 'SYNC_FORMATS', 'launched_by_torc
            'forget_fp8_weights', 'shard_model', 'reshard', 'shard_policy', 'quantize_row_shard',
            'DistributedSyncReport', 'gather_fp8_weight', 'sync_rollout_weights', 'rollout_matches_trainer',
            'reduce_loss_stats', 'merge_rollouts', 'distributed_step', 'save_distributed_checkpoint',
-           'load_distributed_checkpoint', 'start_distributed_run', 'train_distributed']
+           'load_distributed_checkpoint', 'check_checkpoint_launch', 'start_distributed_run', 'train_distributed']
 
 # %% ../nbs/08a_distributed.ipynb #dc194026
-import copy, json, os, random, shutil, signal, time, warnings
+import copy, json, os, random, shlex, shutil, signal, sys, time, warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from .fp8 import FP8Tensor, compute_scale, fp8_dtype, fp8_max, resolve_block
 from .grpo import group_advantages
-from .linear import FP8InferenceLinear, FP8Recipe, fp8_modules, quantize_weight
+from .linear import FP8InferenceLinear, FP8Linear, FP8Recipe, fp8_modules, quantize_weight
 from .policy import (CHECKPOINT_VERSION, Policy, SyncReport, build_rollout_copy,
-                          load_model_and_tokenizer, recover_checkpoint, _sibling, _fsync)
+                          load_model_and_tokenizer, read_checkpoint_meta, recover_checkpoint, _sibling, _fsync)
 from .rollout import Rollout, RolloutEngine, sequence_forward
 from .tasks import RewardScores
 from .data import reward_arguments
@@ -144,8 +144,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers or [m for block in model.modules() if isinstance(block, nn.ModuleList) for m in block]
 
 def forget_fp8_weights(model: nn.Module):
-    "Drop every FP8Linear's cached FP8 weight: the next forward quantizes the current weight (once)."
-    for m in fp8_modules(model).values(): m._synced = None
+    "Drop every FP8Linear's cached FP8 weight (and one a sync handed over): the next forward quantizes the current weight."
+    for m in fp8_modules(model).values(): m._synced = m._fp8_from_sync = None
+
+def _cache_fp8_weight(module: FP8Linear, args):
+    """Forward pre-hook of a sharded model's FP8Linear, run after FSDP2's (which hands the module its gathered weight):
+    make sure the FP8 weight cache is valid before the forward, so that it is quantized at most once per update
+    whatever the grad mode. One process gets this from `Policy.sync_weights`, which fills the caches of the modules the
+    rollout shares; here the rollout has its own copy, so a no-grad forward (the old log-probs) would quantize the
+    weight again in every micro-batch. The cache adopts the bytes the last sync gave the rollout copy (the same
+    bytes: `rollout_matches_trainer`), or quantizes once if no sync came after the last update."""
+    handed_over, module._fp8_from_sync = getattr(module, "_fp8_from_sync", None), None   # (recipe, FP8 weight, kernel scales)
+    if handed_over is not None and handed_over[0] == module.recipe: module._synced = (module.weight._version, *handed_over)
+    elif module.recipe.is_fp8("fprop") and module._synced_weight() is None:
+        module._synced = None                                   # fresh tensors: never write into an adopted copy's bytes
+        module.sync_fp8_weight()
 
 def _forget_after_updates(model: nn.Module):
     """FP8Linear keys its FP8 weight cache by the weight's version counter, but FSDP2 writes the gathered weight
@@ -186,6 +199,7 @@ def shard_model(model: nn.Module, world: World) -> nn.Module:
         if one_rank: model.set_requires_gradient_sync(last_micro_batch); model.set_reshard_after_backward(last_micro_batch)
     model.fsdp_before_backward = before_backward
     _forget_after_updates(model)
+    for m in fp8_modules(model).values(): m.register_forward_pre_hook(_cache_fp8_weight)
     return model
 
 def reshard(model: nn.Module):
@@ -244,6 +258,9 @@ def gather_fp8_weight(hp_shard: torch.Tensor, recipe: FP8Recipe, world: World) -
     "The whole FP8 weight from each rank's row shard, quantized where it lives; returns it and the bytes moved."
     local = hp_shard.to_local() if hasattr(hp_shard, "to_local") else hp_shard
     N, K = hp_shard.shape
+    if world.size == 1:                                   # the shard is the weight: nothing to complete or gather
+        w_fp8 = quantize_weight(local, recipe)
+        return w_fp8, _bytes(w_fp8.data) + _bytes(w_fp8.scale)
     rows_per_rank = -(-N // world.size)
     first_row = min(world.rank * rows_per_rank, N)
     if local.shape[0] != min(rows_per_rank, N - first_row):
@@ -274,6 +291,8 @@ def sync_rollout_weights(policy: Policy, world: World, sync_format: str = "fp8")
                 hp_weight = _full(m.weight); w_fp8, moved = quantize_weight(hp_weight, target.recipe), _bytes(hp_weight)
             bias = None if m.bias is None else _full(m.bias)
             target.load_fp8_weight(w_fp8, bias)
+            if m.recipe == target.recipe:                    # jet: the trainer's next forward uses these bytes too
+                m._fp8_from_sync = (m.recipe, target.fp8_weight(), target.weight_scale_kernel)
             layer_bytes += moved + (0 if bias is None else _bytes(bias)); quantized += 1
             handed_over |= {f"{fqn}.weight", f"{fqn}.bias"}
         rollout_state = policy.rollout_model.state_dict(keep_vars=True)
@@ -396,17 +415,42 @@ def load_distributed_checkpoint(directory: "str | Path", policy: Policy, optimiz
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     directory = Path(directory)
-    meta = json.loads((directory / "checkpoint.json").read_text())
-    if meta.get("format") != "dcp":
-        raise ValueError(f"{directory} was written by a single-process run (safetensors): resume it without torchrun "
-                         "(`jetrl train ... --resume`), or start the distributed run in a new folder.")
+    meta = check_checkpoint_launch(directory, under_torchrun=True)
     model_state, optimizer_state = get_state_dict(policy.model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(policy.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return meta
 
+# %% ../nbs/08a_distributed.ipynb #5838d814
+def _launch_command(under_torchrun: bool, processes: int = 1) -> str:
+    "The command that runs this process's command line with the other launcher (exact for the `jetrl` command line)."
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    cli = Path(sys.argv[0]).name == "jetrl" or getattr(main_spec, "name", None) == "jetrl.cli"
+    args = shlex.join(sys.argv[1:]) if cli else "your_script.py ..."
+    if under_torchrun: return f"torchrun --nproc-per-node {processes} {'-m jetrl.cli ' if cli else ''}{args}"
+    return f"jetrl {args}" if cli else f"python {args}"
+
+def check_checkpoint_launch(directory: "str | Path", under_torchrun: bool) -> dict:
+    "The checkpoint's metadata, if this launch can resume it; else a ValueError that says which launch can, and how."
+    meta, directory = read_checkpoint_meta(directory), Path(directory)
+    written_by_torchrun = meta.get("format") == "dcp"
+    if written_by_torchrun == under_torchrun: return meta
+    if written_by_torchrun:
+        processes = meta.get("world_size", 1)
+        raise ValueError(f"cannot resume {directory.parent} in one process: its checkpoint (step {meta['step']}) is a Distributed "
+                         f"Checkpoint written by {processes} torchrun process(es), which only torchrun ranks load. Resume it "
+                         f"under torchrun (any process count that divides the prompts per step): `{_launch_command(True, processes)}`")
+    raise ValueError(f"cannot resume {directory.parent} under torchrun: its checkpoint (step {meta['step']}) was written by a "
+                     f"single-process run (safetensors), which the ranks of a sharded model do not load. Resume it in one "
+                     f"process: `{_launch_command(False)}`")
+
 # %% ../nbs/08a_distributed.ipynb #d66b1fa6
+def _on_every_rank(error: Exception) -> Exception:
+    "Mark an error every rank raises alike (the same config, or rank 0's answer): the CLI prints it on rank 0 only."
+    error.same_on_every_rank = True
+    return error
+
 def _on_main(world: World, fn: Callable):
     "fn() on rank 0 only; its result, or the error it raised, on every rank."
     result = error = None
@@ -414,20 +458,28 @@ def _on_main(world: World, fn: Callable):
         try: result = fn()
         except (ValueError, FileExistsError, FileNotFoundError) as e: error = e
     result, error = world.broadcast_from_main((result, error))
-    if error is not None: raise error
+    if error is not None: raise _on_every_rank(error)
     return result
+
+def _plan_distributed_run(out_dir: Path, config: TrainConfig, resume: bool, rewards: list[dict]) -> RunFolderPlan:
+    "08_train's folder checks and resume plan, and a checkpoint to resume that torchrun can load."
+    plan = plan_run_folder(out_dir, config, resume, rewards)
+    if plan.start_step > 0: check_checkpoint_launch(out_dir / CHECKPOINT_DIR, under_torchrun=True)
+    return plan
 
 def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Path | None" = None, resume: bool = False,
                           policy: Policy | None = None, dataset=None, reward_funcs=None) -> Run:
     "Set up this rank's part of a run: task and rewards, seeds, policy (sharded) and rollout copy, optimizer, folder, resume."
-    config, spec = resolve_strategy(config, policy)                                          # as start_run (08_train)
-    if config.backend != "jetrl":
-        raise ValueError(f"backend={config.backend!r}: under torchrun each rank generates with jetrl's own engine; use backend='jetrl'.")
-    check_divisible(config.prompts_per_step, world.size)
-    config, task, rewards = task_and_rewards(config, dataset, reward_funcs)
+    try:
+        config, spec = resolve_strategy(config, policy)                                      # as start_run (08_train)
+        if config.backend != "jetrl":
+            raise ValueError(f"backend={config.backend!r}: under torchrun each rank generates with jetrl's own engine; use backend='jetrl'.")
+        check_divisible(config.prompts_per_step, world.size)
+        config, task, rewards = task_and_rewards(config, dataset, reward_funcs)
+    except (ValueError, TypeError) as e: raise _on_every_rank(e)
     out_dir = Path(out_dir) if out_dir is not None else None
     # the folder checks and the resume plan (08_train's, crash-safe checkpoints included) run on rank 0, for every rank
-    plan = _on_main(world, lambda: plan_run_folder(out_dir, config, resume, reward_record(rewards))) if out_dir is not None else RunFolderPlan(0)
+    plan = _on_main(world, lambda: _plan_distributed_run(out_dir, config, resume, reward_record(rewards))) if out_dir is not None else RunFolderPlan(0)
     start_step = plan.start_step
     random.seed(config.seed); torch.manual_seed(config.seed)
     if policy is None:

@@ -327,6 +327,9 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     out_dir = Path(out_dir) if out_dir is not None else None
     plan = plan_run_folder(out_dir, config, resume, reward_record(rewards)) if out_dir is not None else RunFolderPlan(0)
     start_step = plan.start_step
+    if start_step > 0:                                                    # a torchrun run's checkpoint needs torchrun (08a)
+        from jetrl.distributed import check_checkpoint_launch
+        check_checkpoint_launch(out_dir / CHECKPOINT_DIR, under_torchrun=False)
     random.seed(config.seed); torch.manual_seed(config.seed)
     if policy is None:
         model, tokenizer = load_model_and_tokenizer(config.model)

@@ -1,7 +1,8 @@
 """The distributed path on the CPU (gloo, 2 processes): a torchrun run of `jetrl train` equals the single-process run,
 resumes after a kill to the same weights, keeps the trainer's FP8 bytes on every rank, and a rank that dies stops
-the others with a message. Each launch starts two Python processes: tens of seconds on 2 cores."""
-import json, os, signal, socket, subprocess, sys, time
+the others with a message; a checkpoint given to the wrong launcher is one clear error; FSDP2 over one rank quantizes
+the weights as often as one process. Each launch starts two Python processes: tens of seconds on 2 cores."""
+import hashlib, json, os, shlex, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 import torch
@@ -36,14 +37,21 @@ def two_rank_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory) -> Path:
+    "The same run in this process (`jetrl train ...`, no torchrun): safetensors checkpoints."
+    out = tmp_path_factory.mktemp("single") / "run"
+    assert main(["train", *RUN, "--out", str(out)]) == 0
+    return out
+
+
 def _close(a: float, b: float, rel: float = 0.0, abs_: float = 0.0) -> bool: return abs(a - b) <= abs_ + rel * abs(a)
 
 
-def test_two_ranks_match_one_process(two_rank_run, tmp_path):
-    assert main(["train", *RUN, "--out", str(tmp_path / "one")]) == 0
+def test_two_ranks_match_one_process(two_rank_run, one_process_run):
     first_line = json.loads((two_rank_run / "metrics.jsonl").read_text().splitlines()[0])
     assert first_line["distributed"]["world_size"] == 2 and first_line["distributed"]["backend"] == "gloo"
-    (one0, one1), (two0, two1) = read_metrics(tmp_path / "one")[1], read_metrics(two_rank_run)[1]
+    (one0, one1), (two0, two1) = read_metrics(one_process_run)[1], read_metrics(two_rank_run)[1]
     assert two0["dist/world_size"] == 2 and two0["dist/backend"] == "gloo" and "dist/world_size" not in one0
     for one, two in ((one0, two0), (one1, two1)):                                  # same prompts every step
         assert [s["prompt"] for s in one["samples"]] == [s["prompt"] for s in two["samples"]]
@@ -114,3 +122,89 @@ def test_clear_errors_before_launching():
     with pytest.raises(ValueError, match="does not split among 3 processes.*--prompts-per-step 15 or 18"): check_divisible(16, 3)
     with pytest.raises(RuntimeError, match="no NCCL"): choose_backend(0, cuda_gpus=1, nccl_available=False)
     with pytest.raises(RuntimeError, match="--nproc-per-node 2"): choose_backend(3, cuda_gpus=2, nccl_available=True)
+
+
+def _folder_digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _error_lines(stderr: str) -> list[str]: return [l for l in stderr.splitlines() if l.startswith("jetrl: error:")]
+
+
+def test_resume_a_torchrun_checkpoint_in_one_process(two_rank_run):
+    "A Distributed Checkpoint resumed without torchrun: one error line with the torchrun command, the folder untouched."
+    before, args = _folder_digest(two_rank_run), ["train", *RUN, "--out", str(two_rank_run), "--resume"]
+    done = subprocess.run([sys.executable, "-m", "jetrl.cli", *args], env=_env(), capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 2 and len(_error_lines(done.stderr)) == 1, done.stderr[-3000:]
+    error = _error_lines(done.stderr)[0]
+    assert "is a Distributed Checkpoint written by 2 torchrun process(es)" in error, error
+    assert f"`torchrun --nproc-per-node 2 -m jetrl.cli {shlex.join(args)}`" in error, error
+    assert _folder_digest(two_rank_run) == before
+
+
+def test_resume_a_single_process_checkpoint_under_torchrun(one_process_run):
+    "The converse: one error line (rank 0's; not one per rank) with the single-process command, the folder untouched."
+    before, args = _folder_digest(one_process_run), ["train", *RUN, "--out", str(one_process_run), "--resume"]
+    done = subprocess.run(_torchrun("-m", "jetrl.cli", *args), env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode != 0 and len(_error_lines(done.stderr)) == 1, done.stderr[-3000:]
+    error = _error_lines(done.stderr)[0]
+    assert "was written by a single-process run (safetensors)" in error and f"`jetrl {shlex.join(args)}`" in error, error
+    assert _folder_digest(one_process_run) == before
+
+
+def test_one_rank_fsdp_quantizes_each_weight_once_per_update(monkeypatch):
+    """FSDP2 over one rank (`torchrun --nproc-per-node 1`) vs one process, jet: a step's old log-probs (no grad, in
+    micro-batches), training micro-batches, update and weight sync quantize each FP8 weight once, in the sync, as one
+    process does. (It was 1 + 2 x micro-batches per weight: the old log-probs re-quantized every weight in every
+    micro-batch, 27% slower on an H200.) The trainer's forward uses the rollout copy's bytes, which are current."""
+    import jetrl.distributed as jd, jetrl.linear as jl
+    from jetrl.policy import Policy, load_model_and_tokenizer, token_log_probs
+    from jetrl.rollout import RolloutEngine, SamplingParams, micro_batches, recompute_log_probs
+    calls, phase = [], ["setup"]
+    def counting(fn):
+        def wrapper(*args, **kwargs): calls.append(phase[0]); return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(jl, "quantize_weight", counting(jl.quantize_weight))
+    monkeypatch.setattr(jd, "quantize_weight", counting(jd.quantize_weight))
+    monkeypatch.setattr(jd, "quantize_row_shard", counting(jd.quantize_row_shard))
+    micro_batch, steps = 2, 2
+
+    def run_steps(world) -> list[dict]:
+        torch.manual_seed(0)
+        model, tokenizer = load_model_and_tokenizer("jetrl-tiny")
+        policy = Policy(model.train(), tokenizer, "jet", device="cpu")
+        if world: jd.shard_policy(policy, world); jd.sync_rollout_weights(policy, world)
+        sync = (lambda: jd.sync_rollout_weights(policy, world)) if world else policy.sync_weights
+        engine, optimizer = RolloutEngine(policy, chat_template=False), torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
+        rollout = engine.generate([[5, 6, 7, 8]] * 2, SamplingParams(n=4, max_new_tokens=4, seed=0, ignore_eos=True))
+        counts = []
+        for _ in range(steps):
+            calls.clear()
+            phase[0] = "old_logp"; recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch)
+            phase[0] = "train"
+            parts = micro_batches(len(rollout), micro_batch)
+            for i, rows in enumerate(parts):
+                if world: policy.model.fsdp_before_backward(i == len(parts) - 1)
+                token_log_probs(policy.model, rollout.input_ids[rows], rollout.attention_mask[rows]).sum().backward()
+            optimizer.step(); optimizer.zero_grad()
+            phase[0] = "sync"; sync()
+            counts.append({p: calls.count(p) for p in ("old_logp", "train", "sync")})
+        assert counts == [{"old_logp": 0, "train": 0, "sync": layers}] * steps, counts
+        return policy, rollout
+
+    layers = 28                                                # jetrl-tiny's FP8 linears
+    run_steps(None)
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    world = jd.init_world(timeout_s=60)
+    try:
+        policy, rollout = run_steps(world)
+        with torch.no_grad(): token_log_probs(policy.model, rollout.input_ids[:1], rollout.attention_mask[:1])
+        rollout_layers = dict(policy.rollout_model.named_modules())
+        for fqn, m in jl.fp8_modules(policy.model).items():       # the trainer's FP8 bytes: the rollout copy's, and current
+            cached = m._synced[2]
+            assert cached.data.data_ptr() == rollout_layers[fqn].weight_fp8.data_ptr(), fqn
+            assert torch.equal(cached.data.view(torch.uint8), jl.quantize_weight(m.weight, m.recipe).data.view(torch.uint8)), fqn
+    finally: torch.distributed.destroy_process_group()
