@@ -16,7 +16,7 @@ Every (strategy, mode) runs a warm-up step first (CUDA-graph capture), then `--s
 shape, rebuilt from the same seed. Modes: fast (default kernels) and exact (Policy(exact=True): batch-invariant
 kernels everywhere, bitwise engine == trainer).
 """
-import argparse, json, sys, time
+import argparse, gc, json, sys, time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -135,6 +135,7 @@ def main(argv=None):
                 if args.out:
                     with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
             del policy, engine, optimizer, model
+            gc.collect()                                # FSDP2's modules and hooks refer to each other: freed by the collector
             torch.cuda.empty_cache()
 
 
