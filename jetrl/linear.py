@@ -255,8 +255,11 @@ class FP8Linear(nn.Linear):
             if self.row_invariant_hp: return linear_invariant(x, self.weight, self.bias)
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if not torch.is_grad_enabled() and self.recipe.is_fp8("fprop"):   # rollout / evaluation: Fprop only
-            synced = self._synced_weight() or (quantize_weight(self.weight, self.recipe, "fprop"), None)
-            return fp8_fprop(x, synced[0], self.bias, self.recipe, synced[1])[0]
+            # a stale cache is refreshed (in place), not bypassed: no-grad passes after an update (the trainer's new
+            # log-probs, micro-batch by micro-batch) then quantize each weight once, not once per call
+            if self._synced_weight() is None: self.sync_fp8_weight()
+            w_fp8, w_kernel_scale = self._synced_weight()
+            return fp8_fprop(x, w_fp8, self.bias, self.recipe, w_kernel_scale)[0]
         # training: the weight is quantized once per update, not once per micro-batch (the sync cache, refreshed in place)
         w_fp8 = w_kernel_scale = None
         if self.recipe.is_fp8("fprop"):
