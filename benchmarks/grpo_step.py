@@ -77,6 +77,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--out", default=None)
+    p.add_argument("--fuse-projections", action="store_true",
+                   help="the engine runs q/k/v and gate/up as one GEMM each (RolloutEngine(fuse_projections=True))")
     p.add_argument("--no-fused-grad", action="store_true",
                    help="the FP8 backward's separate quantizer passes instead of jetrl.grad_kernels' fused ones (to compare)")
     p.add_argument("--distributed", action="store_true",
@@ -105,7 +107,7 @@ def main(argv=None):
             if world:                                   # a full rollout copy per rank, then FSDP2: before the optimizer
                 shard_policy(policy, world)
                 sync = lambda: sync_rollout_weights(policy, world, args.sync_format)
-            engine = RolloutEngine(policy, chat_template=False)
+            engine = RolloutEngine(policy, chat_template=False, fuse_projections=args.fuse_projections)
             optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr)
             prompts = torch.randint(10, model.config.vocab_size, (args.prompts, args.prompt_len),
                                     generator=torch.Generator().manual_seed(1)).tolist()

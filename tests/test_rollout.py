@@ -259,3 +259,46 @@ def test_sliding_window_models_use_the_dynamic_cache(tokenizer):
     for i in range(len(PROMPTS)):
         n = int(ours.completion_lengths[i])
         assert ours.completion_ids[i, :n].tolist() == theirs[i, :n].tolist()
+
+
+def make_qwen(tokenizer, seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+
+
+@pytest.mark.parametrize("strategy", ["bf16", "jet", "fp8-rollout"])
+def test_fused_projections_match_separate_linears(tokenizer, strategy):
+    "q/k/v (with biases) and gate/up as one GEMM each: the same rollout as the separate linears, also after an update."
+    from jetrl.rollout import FusedProjection
+    policy = Policy(make_qwen(tokenizer), tokenizer, strategy)
+    fused, separate = (RolloutEngine(policy, chat_template=False, fuse_projections=f) for f in (True, False))
+    params = SamplingParams(do_sample=False, max_new_tokens=10, ignore_eos=True)
+    for update in range(2):
+        a, b = fused.generate(PROMPTS, params), separate.generate(PROMPTS, params)
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert (a.logprobs - b.logprobs).abs().max() < 1e-4
+        with torch.no_grad():
+            for p in policy.model.parameters(): p.mul_(1.2)                        # an in-place update, as an optimizer step
+    layers = policy.rollout_model.model.layers
+    made = sum(hasattr(l.self_attn, "jetrl_fused_qkv") + hasattr(l.mlp, "jetrl_fused_gate_up") for l in layers)
+    assert made == (0 if strategy == "fp8-rollout" else 2 * len(layers))          # fp8-rollout's FP8 copy: not fused (yet)
+    if strategy == "jet":                                                         # one GEMM's FP8 weight: the caches side by side
+        attn = layers[0].self_attn
+        assert torch.equal(attn.jetrl_fused_qkv.weight.view(torch.uint8),
+                           torch.cat([m.fp8_weight().data for m in (attn.q_proj, attn.k_proj, attn.v_proj)]).view(torch.uint8))
+
+
+def test_fused_projection_refuses_what_cannot_be_laid_side_by_side():
+    from jetrl.rollout import FusedProjection
+    from jetrl.linear import FP8Linear
+    lin = lambda i, o, bias=True: torch.nn.Linear(i, o, bias=bias)
+    assert FusedProjection.why_not([lin(8, 8), lin(8, 4)]) is None
+    assert "bias" in FusedProjection.why_not([lin(8, 8), lin(8, 4, bias=False)])
+    assert "inputs" in FusedProjection.why_not([lin(8, 8), lin(4, 8)])
+    assert FusedProjection.why_not([FP8Linear.from_linear(lin(256, 256)), FP8Linear.from_linear(lin(256, 128))]) is None
+    assert "blocks" in FusedProjection.why_not([FP8Linear.from_linear(lin(256, 200)), FP8Linear.from_linear(lin(256, 128))])
+    assert "recipes" in FusedProjection.why_not([FP8Linear.from_linear(lin(256, 256)),
+                                                 FP8Linear.from_linear(lin(256, 128), "tensorwise")])
