@@ -282,11 +282,11 @@ class FusedProjection:
     @staticmethod
     def why_not(linears: list[nn.Module]) -> str | None:
         "Why these linears cannot run as one GEMM (None if they can)."
-        from jetrl.linear import FP8Linear
+        from jetrl.linear import FP8Linear, FP8InferenceLinear
         first = linears[0]
         if len({m.in_features for m in linears}) != 1: return "their inputs differ in size"
         if len({m.bias is None for m in linears}) != 1: return "some have a bias and some do not"
-        if all(isinstance(m, FP8Linear) for m in linears):
+        if all(isinstance(m, (FP8Linear, FP8InferenceLinear)) for m in linears) and len({type(m) for m in linears}) == 1:
             if len({m.recipe for m in linears}) != 1: return "their FP8 recipes differ"
             if first.recipe.quantizes:
                 block = first.recipe.block("w", "fprop")
@@ -294,7 +294,7 @@ class FusedProjection:
                     return f"FP8 weight blocks {block} cannot be laid side by side (square blocks, whole block rows only)"
                 return None
             if len({m.row_invariant_hp for m in linears}) != 1: return "their kernels differ"
-        elif any(isinstance(m, FP8Linear) for m in linears) or any(type(m) is not nn.Linear for m in linears):
+        elif any(type(m) is not nn.Linear for m in linears):
             return "not all of them are plain nn.Linear or FP8Linear"
         return None if len({m.weight.dtype for m in linears}) == 1 else "their weights have different dtypes"
 
@@ -305,7 +305,9 @@ class FusedProjection:
         "Copy the members' current weights (the FP8 caches, already synced) side by side; True if the buffers were (re)made."
         def parts():
             if not self.fp8: return [m.weight.detach() for m in self.linears], None, None
-            synced = [m._synced_weight() for m in self.linears]
+            if hasattr(self.linears[0], "weight_fp8"):          # FP8InferenceLinear: a separate rollout copy (fp8-rollout)
+                synced = [(m.fp8_weight(), m.weight_scale_kernel) for m in self.linears]
+            else: synced = [m._synced_weight() for m in self.linears]
             if any(s is None for s in synced): raise RuntimeError("FusedProjection.refresh needs every FP8 cache synced first.")
             kernel = None if synced[0][1] is None else [s[1] for s in synced]
             return [s[0].data for s in synced], [s[0].scale for s in synced], kernel

@@ -284,7 +284,7 @@ def test_fused_projections_match_separate_linears(tokenizer, strategy):
             for p in policy.model.parameters(): p.mul_(1.2)                        # an in-place update, as an optimizer step
     layers = policy.rollout_model.model.layers
     made = sum(hasattr(l.self_attn, "jetrl_fused_qkv") + hasattr(l.mlp, "jetrl_fused_gate_up") for l in layers)
-    assert made == (0 if strategy == "fp8-rollout" else 2 * len(layers))          # fp8-rollout's FP8 copy: not fused (yet)
+    assert made == 2 * len(layers)                                               # fp8-rollout: its FP8 copy's layers
     if strategy == "jet":                                                         # one GEMM's FP8 weight: the caches side by side
         attn = layers[0].self_attn
         assert torch.equal(attn.jetrl_fused_qkv.weight.view(torch.uint8),
@@ -302,3 +302,4 @@ def test_fused_projection_refuses_what_cannot_be_laid_side_by_side():
     assert "blocks" in FusedProjection.why_not([FP8Linear.from_linear(lin(256, 200)), FP8Linear.from_linear(lin(256, 128))])
     assert "recipes" in FusedProjection.why_not([FP8Linear.from_linear(lin(256, 256)),
                                                  FP8Linear.from_linear(lin(256, 128), "tensorwise")])
+    assert "not all" in FusedProjection.why_not([FP8Linear.from_linear(lin(256, 256)), lin(256, 128)])
