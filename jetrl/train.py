@@ -7,9 +7,9 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 # %% auto #0
 __all__ = ['ROLLOUT_BACKENDS', 'STARTER_KNOBS', 'METRICS_FILE', 'CHECKPOINT_DIR', 'SUPERSEDED_FILE', 'TrainConfig', 'make_task',
            'task_and_rewards', 'reward_record', 'RunFolderWarning', 'append_line', 'write_atomically', 'read_log',
-           'RunFolderPlan', 'plan_run_folder', 'open_run_log', 'Run', 'resolve_strategy', 'start_run', 'rollout_engine',
-           'row_streams', 'completion_ids', 'contributing_mask', 'trainer_log_probs', 'optimize', 'train',
-           'step_metrics', 'token_samples', 'save_step', 'read_metrics']
+           'RunFolderPlan', 'plan_run_folder', 'open_run_log', 'MasterWeightAdamW', 'make_optimizer', 'Run',
+           'resolve_strategy', 'start_run', 'rollout_engine', 'row_streams', 'completion_ids', 'contributing_mask',
+           'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples', 'save_step', 'read_metrics']
 
 # %% ../nbs/08_train.ipynb #710b095e
 import copy, json, math, os, random, time, warnings
@@ -272,6 +272,55 @@ def open_run_log(out_dir: Path, config: TrainConfig, plan: RunFolderPlan, reward
         write_atomically(metrics, "\n".join([header, *kept]) + "\n")
     return [json.loads(line) for line in plan.kept]
 
+# %% ../nbs/08_train.ipynb #589c9024
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW (PyTorch's formula) for a model in BF16/FP16: grads read in fp32, the step taken on an fp32 master copy of
+    each low-precision weight (optimizer state `master`, saved with checkpoints), the weight rounded from it once."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(): loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None: continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    if p.dtype != torch.float32: state["master"] = p.detach().float()
+                master, grad = state.get("master", p), p.grad.float()
+                state["step"] += 1
+                step = state["step"].item()
+                master.mul_(1 - lr * decay)
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+                master.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+                if master is not p: p.copy_(master)                  # rounded once
+        return loss
+
+    def load_state_dict(self, state_dict: dict):
+        "As PyTorch's, but the fp32 state stays fp32 (PyTorch would cast it to each weight's BF16)."
+        fp32 = {int(i): {k: v for k, v in s.items() if k != "step" and torch.is_tensor(v)} for i, s in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, entries in fp32.items():
+            for key, value in entries.items(): self.state[params[i]][key] = value.to(params[i].device, torch.float32)
+
+def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    "PyTorch's AdamW for fp32 weights; `MasterWeightAdamW` as soon as one weight is in a lower precision."
+    params = list(params)
+    if all(p.dtype == torch.float32 for p in params): return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay)
+
 # %% ../nbs/08_train.ipynb #171f9cee
 @dataclass
 class Run:
@@ -334,7 +383,7 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     if policy is None:
         model, tokenizer = load_model_and_tokenizer(config.model)
         policy = Policy(model, tokenizer, spec, device="cuda" if torch.cuda.is_available() else "cpu", exact=config.exact)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = make_optimizer(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     run = Run(config, policy, rollout_engine(policy, config.backend), optimizer, scheduler, task, rewards, out_dir, start_step)
     if config.grpo.beta > 0:                                             # the KL reference: the policy before any update

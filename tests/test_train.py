@@ -105,3 +105,52 @@ def test_custom_precision_spec(model_dir):
     run = train(config, policy=Policy(model, tokenizer, spec))
     assert run.history[0]["strategy"] == "rowwise-jet"
     with pytest.raises(ValueError, match="Unknown strategy"): train(config)
+
+
+def test_bf16_weights_train_through_fp32_master_weights_and_resume_exactly(model_dir, tmp_path):
+    """A BF16 policy (as on a GPU) steps fp32 master weights (MasterWeightAdamW), and a run stopped and resumed ends
+    with the weights of an uninterrupted one: the masters travel in the checkpoint (a resume from the BF16 weights
+    alone would round differently)."""
+    from jetrl.train import MasterWeightAdamW
+    from jetrl.tasks import ArithmeticTask
+    rows = ArithmeticTask(digits=2).sample(16)
+    def length_reward(prompts, completions, **kwargs): return [float(len(c) % 3) for c in completions]  # varies: gradients
+    config = TrainConfig(model=model_dir, strategy="bf16", hp_dtype="bfloat16", steps=4, prompts_per_step=2, warmup_steps=0,
+                         grpo=GRPOConfig(num_generations=4), max_new_tokens=6, lr=1e-3)
+    from jetrl.policy import load_model_and_tokenizer
+    first = {k: v.clone() for k, v in load_model_and_tokenizer(model_dir)[0].state_dict().items()}
+    whole = train(config, tmp_path / "whole", dataset=rows, reward_funcs=[length_reward])
+    assert isinstance(whole.optimizer, MasterWeightAdamW)
+    masters = [whole.optimizer.state[p]["master"] for p in whole.policy.model.parameters() if p in whole.optimizer.state]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    stopped = []
+    train(config, tmp_path / "resumed", dataset=rows, reward_funcs=[length_reward],
+          callbacks=[lambda m: stopped.append(m["step"]) or len(stopped) < 2])
+    train(config, tmp_path / "resumed", resume=True, dataset=rows, reward_funcs=[length_reward])
+    a, b = _final_weights(tmp_path / "whole"), _final_weights(tmp_path / "resumed")
+    assert any(not torch.equal(a[k], first[k].to(a[k].dtype)) for k in a if k in first)          # it trained
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_master_weights_keep_updates_that_bf16_drops():
+    """50 AdamW steps of lr 1e-4 (a move of ~5e-3, below BF16's step of 7.8e-3 here): fp32 masters follow PyTorch's
+    fp32 AdamW to 2e-5 (its fused formula rounds differently: ~30 fp32 ulps); AdamW straight on BF16 stays put."""
+    from jetrl.train import MasterWeightAdamW
+    torch.manual_seed(0)
+    start_bf16 = (torch.rand(256) + 1).to(torch.bfloat16)                         # weights in [1, 2): a BF16 step is 2^-7
+    reference = start_bf16.float().requires_grad_()                               # the same start, in fp32
+    low, plain = (start_bf16.clone().requires_grad_() for _ in range(2))
+    start = plain.detach().clone()
+    opts = [torch.optim.AdamW([reference], lr=1e-4), MasterWeightAdamW([low], lr=1e-4), torch.optim.AdamW([plain], lr=1e-4)]
+    for _ in range(50):
+        grad = torch.rand(256) + 0.5                                              # one sign: Adam moves ~lr a step
+        for p, opt in zip((reference, low, plain), opts): p.grad = grad.to(p.dtype); opt.step()
+    master = opts[1].state[low]["master"]
+    assert (master - reference).abs().max() < 2e-5 and (master - start_bf16.float()).abs().mean() > 4e-3
+    assert torch.equal(low.detach(), master.to(torch.bfloat16)) and not torch.equal(low.detach(), start)
+    assert torch.equal(plain.detach(), start)                                    # every update rounded away
+    state = opts[1].state_dict()
+    again = MasterWeightAdamW([low.detach().clone().requires_grad_()], lr=1e-4)
+    again.load_state_dict(state)
+    loaded = next(iter(again.state.values()))
+    assert loaded["master"].dtype == loaded["exp_avg"].dtype == torch.float32 and torch.equal(loaded["master"], master)
