@@ -481,9 +481,12 @@ def report_figure(histories: dict[tuple[str, int], list[dict]], rows: list[dict]
     fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision")
     return fig
 
-def write_report(preset: Preset, out: Path, command: str, results: Path | None) -> tuple[str, list[dict]]:
-    "report.html, table.md and summary.jsonl in `out` (and the results file); returns (table, rows)."
-    histories, rows = {}, []
+def write_report(preset: Preset, out: Path, command: str, results: Path | None, log=print) -> tuple[str, list[dict]]:
+    """table.md and summary.jsonl in `out` (every run with a finished step), the results file and its curves (the finished
+    runs only, each marked `complete`: whether every (strategy, seed) of the preset is finished), then report.html.
+    Returns (table, rows). The data is written before the figure, and the figure is skipped with a note where plotly is
+    missing (the GPU machine has torch, transformers, triton and numpy only): run the command again elsewhere to draw it."""
+    histories, rows, finished = {}, [], []
     model = str(out / "base") if preset.sft is not None else preset.train.model
     model_params = _count_params(model)
     for seed in preset.seeds:
@@ -496,28 +499,39 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None) 
             done = json.loads((folder / "done.json").read_text()) if (folder / "done.json").exists() else {}
             before = json.loads((out / "eval_base.json").read_text())["accuracy"] if (out / "eval_base.json").exists() else None
             rows.append(run_summary(preset, s, seed, history, model_params, command, (before, done.get("eval_accuracy"))))
+            if done: finished.append((s, seed))
     if not rows: raise RuntimeError(f"no run in {out} has a finished step yet: nothing to report")
+    complete = len(finished) == len(preset.strategies) * len(preset.seeds)
+    for r in rows: r["complete"] = complete
     table = paper_table(rows, preset.strategies)
     note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
             f"{EVAL_SAMPLES} samples each at the training temperature, master weights in high precision. Train accuracy: mean over the first / last {preset.window} steps "
             f"(sampled, new prompts each step). Diverged: a non-finite loss, or either accuracy falling by more than {DIVERGENCE_DROP}.")
+    if not complete:
+        note += (f" Incomplete: {len(finished)} of {len(preset.strategies) * len(preset.seeds)} runs finished "
+                 f"({', '.join(f'{s} seed {seed}' for s, seed in finished) or 'none'}); a run without an 'after' accuracy is still going.")
     (out / "table.md").write_text(table + "\n\n" + note + "\n")
     (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fig = report_figure(histories, rows, preset.strategies)
-    html = fig.to_html(include_plotlyjs=True, full_html=True)
-    html = html.replace("<body>", f"<body><h2>jetrl reproduce ({preset.name})</h2><p>{note}</p><pre>{table}</pre>"
-                                  f"<p><code>{command}</code></p>", 1)
-    (out / "report.html").write_text(html)
-    if results is not None:
+    if results is not None and finished:
+        done_rows = [r for r in rows if (r["strategy"], r["seed"]) in finished]
         results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in rows))
-        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves(histories)) + "\n")
+        results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in done_rows))
+        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves({k: histories[k] for k in finished})) + "\n")
+    header = f"<h2>jetrl reproduce ({preset.name})</h2><p>{note}</p><pre>{table}</pre><p><code>{command}</code></p>"
+    try: fig = report_figure(histories, rows, preset.strategies)
+    except ImportError as e:                      # plotly is optional: the numbers above are already written
+        log(f"report: no figure ({e}; `pip install plotly` and run the same command again to draw it); "
+            f"table.md, summary.jsonl{' and ' + str(results) if results is not None and finished else ''} are written")
+        (out / "report.html").write_text(f"<!doctype html><html><body>{header}<p>No figure: {e}.</p></body></html>\n")
+        return table, rows
+    html = fig.to_html(include_plotlyjs=True, full_html=True).replace("<body>", "<body>" + header, 1)
+    (out / "report.html").write_text(html)
     return table, rows
 
 RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "accuracy_first", "accuracy_last", "diverged",
                "eval_accuracy_before", "eval_accuracy_after",
                "kl_k3_mean", "logp_abs_diff_mean", "is_ratio_min", "is_ratio_max", "ess_mean", "tis_clip_frac_mean",
-               "completion_length_mean", "seconds_per_step", "preset", "command")
+               "completion_length_mean", "seconds_per_step", "preset", "complete", "command")
 
 def _count_params(model_name: str) -> int:
     config = Path(model_name) / "config.json"
@@ -703,7 +717,7 @@ def main(argv=None) -> int:
         results = args.results or (None if preset.name == "smoke" else REPO / "benchmarks" / "results" / f"reproduce_{device}.jsonl")
         table = None
         if any((run_dir(args.out, s, seed) / "metrics.jsonl").exists() for s in preset.strategies for seed in preset.seeds):
-            table, _ = write_report(preset, args.out, command, results if done else None)
+            table, _ = write_report(preset, args.out, command, results)
             print(table)
         print(f"{'done' if done else 'stopped at the time budget: run the same command again to continue'}; "
               f"{time.time() - start:.0f} s; report: {args.out / 'report.html'}")

@@ -73,6 +73,27 @@ def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
     assert (tmp_path / "out" / "report.html").stat().st_size > 0 and "| `fp8-rollout` |" in table
 
 
+def test_a_budget_stopped_set_without_plotly_still_writes_its_finished_runs(tmp_path, monkeypatch):
+    "The GPU machine has no plotly and a call may stop at the time budget: the numbers of finished runs come back anyway."
+    preset = R.replace(R.PRESETS["smoke"], train=R.replace(R.PRESETS["smoke"].train, steps=1), eval_prompts=4)
+    out, results = tmp_path / "out", tmp_path / "results.jsonl"
+    assert R.run_all(R.replace(preset, strategies=("bf16",)), out, "cpu", math.inf, log=lambda *_: None)  # fp8-rollout never ran
+    unfinished = R.run_dir(out, "fp8-rollout", 0)
+    unfinished.mkdir(parents=True)                                    # a run cut after its first step: metrics, no done.json
+    (unfinished / "metrics.jsonl").write_text((R.run_dir(out, "bf16", 0) / "metrics.jsonl").read_text())
+    monkeypatch.setitem(sys.modules, "plotly", None)                 # `import plotly...` now raises ImportError
+    monkeypatch.setitem(sys.modules, "plotly.subplots", None)
+    said = []
+    table, rows = R.write_report(preset, out, "cmd", results, log=said.append)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["strategy"], r["seed"], r["complete"]) for r in lines] == [("bf16", 0, False)]   # finished runs only
+    assert lines[0]["eval_accuracy_after"] is not None and set(R.RESULT_KEYS) <= set(lines[0])
+    assert [r["strategy"] for r in rows] == ["bf16", "fp8-rollout"] and "| `fp8-rollout` |" in table   # the table shows both
+    assert len((out / "summary.jsonl").read_text().splitlines()) == 2 and "Incomplete: 1 of 2" in (out / "table.md").read_text()
+    assert "plotly" in said[0] and "<pre>" in (out / "report.html").read_text()
+    assert json.loads((tmp_path / "results_curves.json").read_text()).keys() == {"bf16_seed0"}
+
+
 def test_fp4_rollout_policy_quantizes_only_the_rollout_side():
     policy = R.build_policy("rollout-nvfp4", "jetrl-tiny", "cpu")
     rollout_linears = [m for m in policy.rollout_model.modules() if isinstance(m, R.FP4RolloutLinear)]
