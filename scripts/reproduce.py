@@ -237,6 +237,28 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
     state_file.unlink(missing_ok=True)
     return True
 
+def check_base_format(folder: Path, spec: SFTSpec, n: int = 10) -> None:
+    """The saved base, loaded as GRPO and the held-out eval load it, must read and write SFT's exact token ids: each
+    prompt through the rollout engine's own encoding (chat template included), each worked solution, and EOS as the
+    engine's stop token. A RuntimeError names the first difference (transformers 5 once gave this Qwen2 folder
+    Qwen2Tokenizer's pre-tokenizer: every GRPO prompt was then ids the model never saw, and accuracy was 0)."""
+    from transformers import PreTrainedTokenizerFast
+    from jetrl.rollout import RolloutEngine, _prompt_token_ids
+    sft_tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")           # what SFT trained with
+    model, tokenizer = load_model_and_tokenizer(str(folder))
+    engine = RolloutEngine(model, tokenizer)
+    for row in sft_rows(spec, n):
+        for what, text, loaded in (("prompt", row["prompt"], _prompt_token_ids(tokenizer, [row["prompt"]], engine.chat_template)[0]),
+                                   ("worked solution", worked_solution(row), tokenizer(worked_solution(row), add_special_tokens=False)["input_ids"])):
+            trained = sft_tokenizer(text, add_special_tokens=False)["input_ids"]
+            if loaded != trained:
+                raise RuntimeError(f"the base in {folder} reads this {what} as other token ids than SFT trained on "
+                                   f"({type(tokenizer).__name__}: {loaded[:12]}... vs SFT's {trained[:12]}...): {text[:60]!r}. "
+                                   "Load the folder with jetrl.policy.load_model_and_tokenizer, which keeps the saved tokenizer.")
+    if engine.eos_ids != [sft_tokenizer.eos_token_id] or engine.pad_id != sft_tokenizer.pad_token_id:
+        raise RuntimeError(f"the rollout stops on token ids {engine.eos_ids} and pads with {engine.pad_id}; SFT ended every "
+                           f"solution with {sft_tokenizer.eos_token_id} and padded with {sft_tokenizer.pad_token_id}")
+
 def encode_worked(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
     "A right-padded SFT batch (B, T): prompt, worked solution, EOS; labels -100 except on the solution and EOS."
     pairs = [(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"],
@@ -328,6 +350,7 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) 
     if preset.sft is not None:
         if not train_base_policy(preset.sft, out / "base", device, deadline, log): return False
         model = str(out / "base")
+        check_base_format(out / "base", preset.sft)
     base_accuracy(preset, out, model, device)
     for seed in preset.seeds:
         for strategy in preset.strategies:

@@ -55,6 +55,32 @@ def test_worked_solution_is_correct_and_long():
     assert chain_steps_reward([row["prompt"]], [solution], [row["intermediate"]]) == [1.0]
 
 
+def test_the_sft_base_reads_grpo_prompts_as_it_was_trained(tmp_path, monkeypatch):
+    "Token for token: GRPO's and the eval's prompts, the worked solutions and EOS are what SFT trained on."
+    spec = R.SFTSpec(hidden_size=64, layers=1, heads=2, kv_heads=1, intermediate_size=128, max_positions=256,
+                     chain_steps=(2, 3), steps=1, batch_size=2)
+    assert R.train_base_policy(spec, tmp_path / "base", "cpu", math.inf, log=lambda *_: None)
+    R.check_base_format(tmp_path / "base", spec)
+    from transformers import AutoModelForCausalLM, AutoTokenizer      # what transformers alone loads: Qwen2's splitter
+    monkeypatch.setattr(R, "load_model_and_tokenizer", lambda name: (AutoModelForCausalLM.from_pretrained(name),
+                                                                      AutoTokenizer.from_pretrained(name)))
+    with pytest.raises(RuntimeError, match="other token ids than SFT trained on"): R.check_base_format(tmp_path / "base", spec)
+
+
+def test_gpu_preset_grpo_task_is_in_its_sft_mix_and_fits():
+    "The GPU preset's GRPO chains are a length SFT taught, its worked solutions are long (>= 400 tokens) and fit the budget."
+    from jetrl.tiny import build_tokenizer
+    preset = R.PRESETS["gpu"]
+    knobs, spec = dict(preset.train.task_knobs), preset.sft
+    assert knobs["steps"] in spec.chain_steps and knobs["digits"] == spec.digits and knobs["operators"] == "+-"
+    tokenizer = build_tokenizer([t for row in R.sft_rows(spec, 500) for t in (row["prompt"], R.worked_solution(row))])
+    rows = R.eval_rows(R.replace(preset, eval_prompts=64))
+    prompt = max(len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows)
+    worked = [len(tokenizer(R.worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows]   # + EOS
+    assert 400 <= min(worked) and max(worked) <= preset.train.max_new_tokens
+    assert prompt + preset.train.max_new_tokens <= spec.max_positions
+
+
 def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
     preset = R.replace(R.PRESETS["smoke"], train=R.replace(R.PRESETS["smoke"].train, steps=1), eval_prompts=4)
     assert R.run_all(preset, tmp_path / "out", "cpu", math.inf, log=lambda *_: None)
