@@ -2,16 +2,17 @@
 rollout precisions), same prompts, seeds and settings; one command, one seed list, one report.
 
     python scripts/reproduce.py --preset workshop --out runs/reproduce        # CPU, the dose-response
-    python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 540   # run it again to resume
-    python scripts/reproduce.py --preset gpu --plan                          # state sizes and time estimates only
+    python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 500   # one H200 call; again resumes
+    python scripts/reproduce.py --preset gpu --plan                          # state sizes and the one-call time estimate
 
 What it does, in order, each stage resumable (run the same command again to continue; nothing is redone):
 1. (presets with `sft`) train the base policy from scratch on jetrl's arithmetic chains with worked solutions
    (one line `a + b = c` per step), so that its completions are long;
 2. GRPO for every (seed, strategy), in that order, with `jetrl.train.train`: identical TrainConfig but for the
    strategy name; a run checkpoints every step and resumes after its last checkpoint;
-3. the report: OUT/report.html, OUT/table.md (paper-shaped), OUT/summary.jsonl, and the results file
-   (one object per (strategy, seed)).
+3. the report: OUT/table.md (paper-shaped), OUT/summary.jsonl, the results file (one object per finished
+   (strategy, seed), each marked `complete`: whether every run of the set is finished; written also when the time
+   budget stopped the call), then OUT/report.html (its figure needs plotly; without it, a note and the table only).
 
 `--time-budget S` stops at a step boundary before S seconds have passed (a run's next step is started only if
 the mean step time so far fits), so a GPU machine lent in calls of at most 10 minutes can spread the work over
@@ -292,6 +293,12 @@ def _config(**kw) -> TrainConfig:
     G = kw.pop("group_size", 8)
     return TrainConfig(**{"grpo": GRPOConfig(num_generations=G, loss_type="dapo", max_completion_length=kw.get("max_new_tokens", 12)), **kw})
 
+# GRPO steps per run of the GPU preset: SFT + 4 strategies x 2 seeds in one device call of <= DEVICE_CALL_S (540 s).
+# `--plan` (gpu_call_estimate, from the first GPU attempt) says 27 steps fit: about 11.4 s per step of all 8 runs
+# (bf16 1.31, fp8-rollout 1.45, fp8-rollout-tis 1.27, jet 1.65 s at ~500 completion tokens), SFT 140 s, 9 evals x 6.3 s,
+# 30 s start-up; 24 leaves ~10% of the GRPO time spare, and --time-budget stops cleanly if the estimate is short.
+GPU_STEPS = 24
+
 PRESETS = {
     "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
                     _config(steps=2, prompts_per_step=2, group_size=4, record_samples=1), window=1, eval_prompts=16),
@@ -299,10 +306,10 @@ PRESETS = {
                        "(bf16 -> FP8 E4M3 1x128 -> FP8 E5M2 per tensor -> 4-bit E2M1 1x16 -> 4-bit E2M1 per row), and jet",
                        WORKSHOP, (0, 1),
                        _config(steps=30, prompts_per_step=8, group_size=8, lr=2e-4, warmup_steps=5, record_samples=1)),
-    "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~530-token completions",
+    "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~500-token completions",
                   ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet"), (0, 1),
                   _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
-                          steps=60, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=1e-4, record_samples=1,
+                          steps=GPU_STEPS, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=1e-4, record_samples=1,
                           position_bucket=64, micro_batch_size=32, warmup_steps=5),
                   sft=SFTSpec()),
 }
@@ -633,10 +640,75 @@ def _param_count(s: SFTSpec) -> int:
                  + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
     return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
 
-def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict:
-    """What a run of `preset` will carry and cost, from a measurement here at a small size.
+# One device call on one H200, as measured by the first GPU attempt (`--preset gpu --steps 30 --time-budget 470`, base
+# SFT'd in the same call): its per-run rows (s/step and mean completion length), its log (seconds per run, held-out
+# evals), and its SFT (2000 steps x 32 rows in 140 s: the lead's log of that call; those lines are not in the saved log).
+GPU_MEASURED_SUMMARY = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_summary.jsonl"
+GPU_MEASURED_LOG = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_log.txt"
+GPU_MEASURED_SFT = {"steps": 2000, "batch_size": 32, "seconds": 140.0}
+DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
+STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement
 
-    Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. Time: GRPO
+def step_time_model(rows: list[dict]) -> tuple[dict[str, float], float]:
+    """seconds/step = a[strategy] + b x mean completion tokens, least squares with one intercept per strategy and one
+    shared slope b (the measured lengths varied within a strategy across seeds); returns (a, b)."""
+    by = {}
+    for r in rows: by.setdefault(r["strategy"], []).append((r["completion_length_mean"], r["seconds_per_step"]))
+    sxy = sxx = 0.0
+    for points in by.values():
+        mx, my = _mean([x for x, _ in points]), _mean([y for _, y in points])
+        sxy += sum((x - mx) * (y - my) for x, y in points); sxx += sum((x - mx) ** 2 for x, _ in points)
+    slope = max(sxy / sxx, 0.0) if sxx else 0.0
+    return {s: _mean([y for _, y in p]) - slope * _mean([x for x, _ in p]) for s, p in by.items()}, slope
+
+def measured_eval_seconds(log_file: Path, budget_s: float, sft_s: float) -> float:
+    """Seconds per held-out eval (with its policy build), from a budget-stopped call's log: what the budget left beside
+    the SFT and the runs' own seconds, over the evals it did (the base's and one per finished run). An upper bound:
+    the call stopped up to one step before its budget."""
+    text = log_file.read_text()
+    run_s = sum(int(m.group(1)) for m in re.finditer(r"steps, (\d+) s this call", text))
+    evals = 1 + len(re.findall(r"held-out accuracy", text))
+    return (budget_s - sft_s - run_s) / evals
+
+def worked_tokens(preset: Preset) -> float:
+    "Mean tokens of the worked solution (plus EOS) of the preset's GRPO prompts, with the tokenizer its SFT builds."
+    from jetrl.tiny import build_tokenizer
+    tokenizer = build_tokenizer([t for row in sft_rows(preset.sft, 2000) for t in (row["prompt"], worked_solution(row))])
+    rows = eval_rows(replace(preset, eval_prompts=64))
+    return _mean([len(tokenizer(worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows])
+
+def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, summary: Path = GPU_MEASURED_SUMMARY,
+                      log_file: Path = GPU_MEASURED_LOG) -> dict:
+    """Seconds one H200 device call takes for `preset` (SFT, the base eval, every run and its eval), from the first GPU
+    attempt's measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked
+    solution's length, which the SFT'd base writes), SFT time scaled by steps x rows, evals from `measured_eval_seconds`,
+    plus STARTUP_RESERVE_S. Strategies never measured take the slowest intercept. Also the most GRPO steps that fit."""
+    rows = [json.loads(line) for line in summary.read_text().splitlines()]
+    intercept, slope = step_time_model(rows)
+    budget = float(re.search(r"--time-budget (\d+)", rows[0]["command"]).group(1))
+    sft_s = 0.0
+    if preset.sft is not None:
+        sft_s = GPU_MEASURED_SFT["seconds"] * preset.sft.steps * preset.sft.batch_size / (GPU_MEASURED_SFT["steps"] * GPU_MEASURED_SFT["batch_size"])
+    eval_s = measured_eval_seconds(log_file, budget, GPU_MEASURED_SFT["seconds"])
+    tokens = completion_tokens if completion_tokens is not None else worked_tokens(preset)
+    per_step = {s: intercept.get(s, max(intercept.values())) + slope * tokens for s in preset.strategies}
+    runs = len(preset.seeds)
+    all_runs_per_step = runs * sum(per_step.values())
+    fixed = STARTUP_RESERVE_S + sft_s + eval_s * (1 + runs * len(preset.strategies))
+    total = fixed + preset.train.steps * all_runs_per_step
+    return {"seconds_per_step": {s: round(v, 2) for s, v in per_step.items()}, "slope_s_per_token": round(slope, 5),
+            "completion_tokens": round(tokens, 1), "sft_s": round(sft_s, 1), "eval_s_each": round(eval_s, 1),
+            "startup_reserve_s": STARTUP_RESERVE_S, "total_s": round(total, 1), "device_call_s": DEVICE_CALL_S,
+            "max_steps_in_one_call": int((DEVICE_CALL_S - fixed) // all_runs_per_step),
+            "time_budget_s": DEVICE_CALL_S - STARTUP_RESERVE_S,
+            "source": f"{summary.relative_to(REPO)}, {log_file.relative_to(REPO)}, SFT {GPU_MEASURED_SFT}"}
+
+def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict:
+    """What a run of `preset` will carry and cost.
+
+    Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. One H200 device
+    call (presets with an SFT): `gpu_call_estimate`, from the first GPU attempt's measurements. With `measure_steps`
+    (`--measure N`; minutes on a CPU), also GRPO
     steps of every strategy at 4 x 4 rows and 64 new tokens (the GPU preset's model shape, a tiny SFT), timed here;
     each extrapolated to the preset's rows and tokens by FLOPs (trainer: 10 x params x tokens, i.e. forward +
     backward + two no-grad forwards; rollout: rows x new tokens). For the GPU, the newest measured H200 GRPO step
@@ -651,6 +723,12 @@ def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict
         log(f"model: {params / 1e6:.1f}M parameters; the base policy {2 * params / MiB:.0f} MiB in bf16; a run's checkpoint "
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
             f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's checkpoint out).")
+        call = info["h200_call"] = gpu_call_estimate(preset)
+        log(f"one H200 call: about {call['total_s']:.0f} s of {call['device_call_s']} s (SFT {call['sft_s']:.0f} s, "
+            f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, GRPO s/step {call['seconds_per_step']} "
+            f"at {call['completion_tokens']:.0f} completion tokens, {call['startup_reserve_s']} s start-up reserve); "
+            f"at most {call['max_steps_in_one_call']} GRPO steps per run fit; measured from {call['source']}")
+    if not measure_steps: return info
     with tempfile.TemporaryDirectory() as tmp:
         small_train = replace(preset.train, steps=measure_steps, prompts_per_step=4, grpo=replace(preset.train.grpo, num_generations=4),
                               max_new_tokens=64)
@@ -708,7 +786,8 @@ def parse_args(argv=None):
                                                   "for the workshop and gpu presets, none for smoke)")
     p.add_argument("--unpack", type=Path, help="restore OUT from the parts of an earlier --pack first")
     p.add_argument("--pack", type=Path, help="at the end, write OUT as <= 15 MiB parts into this folder")
-    p.add_argument("--plan", action="store_true", help="print state sizes and a measured time per step, run nothing else")
+    p.add_argument("--plan", action="store_true", help="print state sizes and the one-call H200 time estimate, run nothing else")
+    p.add_argument("--measure", type=int, default=0, help="with --plan: also time this many GRPO steps per strategy here, small")
     args = p.parse_args(argv)
     if args.out is None and not args.plan: p.error("--out is required (a folder for the runs and the report)")
     return args
@@ -733,7 +812,7 @@ def main(argv=None) -> int:
     try:
         preset = preset_from_args(args)
         if args.plan:
-            print(json.dumps(plan(preset, args.device), indent=1)); return 0
+            print(json.dumps(plan(preset, args.device, args.measure), indent=1)); return 0
         if args.unpack: print(f"unpacked {unpack(args.unpack, args.out) / MiB:.1f} MiB into {args.out}")
         done = run_all(preset, args.out, args.device, deadline)
         device = "gpu" if args.device.startswith("cuda") else "cpu"

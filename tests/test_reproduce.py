@@ -81,6 +81,28 @@ def test_gpu_preset_grpo_task_is_in_its_sft_mix_and_fits():
     assert prompt + preset.train.max_new_tokens <= spec.max_positions
 
 
+def test_step_time_model_and_eval_seconds_recover_known_numbers(tmp_path):
+    rows = [{"strategy": s, "completion_length_mean": x, "seconds_per_step": a + 0.002 * x}
+            for s, a, xs in (("bf16", 0.5, (100, 300)), ("jet", 0.9, (50, 60)), ("tis", 0.7, (200,))) for x in xs]
+    intercept, slope = R.step_time_model(rows)
+    assert abs(slope - 0.002) < 1e-12 and all(abs(intercept[s] - a) < 1e-9 for s, a in (("bf16", 0.5), ("jet", 0.9), ("tis", 0.7)))
+    log = tmp_path / "log.txt"
+    log.write_text("bf16 seed 0: 30/30 steps, 35 s this call\nbf16 seed 0: held-out accuracy 0.002\n"
+                   "jet seed 0: 10/30 steps, 25 s this call\n")
+    assert R.measured_eval_seconds(log, budget_s=200, sft_s=100) == (200 - 100 - 60) / 2        # the base's eval + one run's
+
+
+def test_gpu_preset_fits_one_device_call_even_at_full_length():
+    "SFT + 4 strategies x 2 seeds + 9 evals within DEVICE_CALL_S, even if every completion ran to max_new_tokens."
+    preset = R.PRESETS["gpu"]
+    assert len(preset.strategies) == 4 and len(preset.seeds) == 2
+    worst = R.gpu_call_estimate(preset, completion_tokens=preset.train.max_new_tokens)
+    assert worst["total_s"] <= R.DEVICE_CALL_S and worst["max_steps_in_one_call"] >= preset.train.steps
+    typical = R.gpu_call_estimate(preset, completion_tokens=500)
+    assert 0.8 * R.DEVICE_CALL_S <= typical["total_s"] < worst["total_s"]                 # the call is used, not wasted
+    assert set(typical["seconds_per_step"]) == set(preset.strategies) and typical["sft_s"] == 140.0
+
+
 def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
     preset = R.replace(R.PRESETS["smoke"], train=R.replace(R.PRESETS["smoke"].train, steps=1), eval_prompts=4)
     assert R.run_all(preset, tmp_path / "out", "cpu", math.inf, log=lambda *_: None)
