@@ -165,6 +165,7 @@ def worked_solution(row: dict) -> str:
         value = int(result)
     return " " + "\n".join(lines) + f"\n<answer>{row['answer']}</answer>"
 
+SFT_TAIL = 100            # sft.json reports the mean loss of the last SFT_TAIL steps (one batch's loss is noisy)
 SFT_SEED = 2 * 10**9       # SFT rows are seeded from here up; held-out prompts use EVAL_SEED = 10**9 + 7
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
         model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"]); step = state["step"]
     model.train()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
-    start = time.perf_counter()
+    start, tail, tail_steps = time.perf_counter(), torch.zeros((), device=device), 0     # the last SFT_TAIL steps' loss
     while step < spec.steps:
         if time.time() > deadline:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_file)
@@ -229,12 +230,16 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
         optimizer.zero_grad(set_to_none=True); loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
         if step % 100 == 0: log(f"sft step {step:5d} loss {loss.item():.4f} {time.perf_counter() - start:7.1f} s")
+        if step >= spec.steps - SFT_TAIL: tail += loss.detach(); tail_steps += 1
         step += 1
     model.eval().to("cpu", torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model.generation_config.pad_token_id = 0
     from jetrl.models import no_progress_bars
     with no_progress_bars(): model.save_pretrained(folder); tokenizer.save_pretrained(folder)
-    (folder / "sft.json").write_text(json.dumps(asdict(spec) | {"params": sum(p.numel() for p in model.parameters())}, indent=1))
+    stats = {"params": sum(p.numel() for p in model.parameters()), "seconds_this_call": round(time.perf_counter() - start, 1),
+             "device": device, f"loss_last_{SFT_TAIL}_steps": round(tail.item() / tail_steps, 5) if tail_steps else None}
+    (folder / "sft.json").write_text(json.dumps(asdict(spec) | stats, indent=1))
+    log(f"sft: done, {stats}")
     state_file.unlink(missing_ok=True)
     return True
 
@@ -358,7 +363,10 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) 
         if not train_base_policy(preset.sft, out / "base", device, deadline, log): return False
         model = str(out / "base")
         check_base_format(out / "base", preset.sft)
-    base_accuracy(preset, out, model, device)
+    before = base_accuracy(preset, out, model, device)
+    if before is not None:
+        log(f"base policy: held-out accuracy {before:.3f} ({preset.eval_prompts} prompts x {EVAL_SAMPLES} samples)"
+            + ("; no sample is right, so the accuracy reward gives GRPO no signal" if before == 0 else ""))
     for seed in preset.seeds:
         for strategy in preset.strategies:
             folder = run_dir(out, strategy, seed)
