@@ -431,7 +431,8 @@ def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], m
             "is_ratio_max": max(m["mismatch/is_ratio_max"] for m in history), "ess_mean": key("mismatch/ess"),
             "tis_clip_frac_mean": key("mismatch/tis_clip_frac"), "token_mult_prob_error_mean": key("mismatch/token_mult_prob_error"),
             "completion_length_mean": key("completions/mean_length"), "seconds_per_step": key("time/step"),
-            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command}
+            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command,
+            "complete": None}                                  # write_report: whether every run of the set is finished
 
 def _fmt(x, spec=".2f") -> str: return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
