@@ -2,16 +2,17 @@
 rollout precisions), same prompts, seeds and settings; one command, one seed list, one report.
 
     python scripts/reproduce.py --preset workshop --out runs/reproduce        # CPU, the dose-response
-    python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 540   # run it again to resume
-    python scripts/reproduce.py --preset gpu --plan                          # state sizes and time estimates only
+    python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 500   # one H200 call; again resumes
+    python scripts/reproduce.py --preset gpu --plan                          # state sizes and the one-call time estimate
 
 What it does, in order, each stage resumable (run the same command again to continue; nothing is redone):
 1. (presets with `sft`) train the base policy from scratch on jetrl's arithmetic chains with worked solutions
    (one line `a + b = c` per step), so that its completions are long;
 2. GRPO for every (seed, strategy), in that order, with `jetrl.train.train`: identical TrainConfig but for the
    strategy name; a run checkpoints every step and resumes after its last checkpoint;
-3. the report: OUT/report.html, OUT/table.md (paper-shaped), OUT/summary.jsonl, and the results file
-   (one object per (strategy, seed)).
+3. the report: OUT/table.md (paper-shaped), OUT/summary.jsonl, the results file (one object per finished
+   (strategy, seed), each marked `complete`: whether every run of the set is finished; written also when the time
+   budget stopped the call), then OUT/report.html (its figure needs plotly; without it, a note and the table only).
 
 `--time-budget S` stops at a step boundary before S seconds have passed (a run's next step is started only if
 the mean step time so far fits), so a GPU machine lent in calls of at most 10 minutes can spread the work over
@@ -164,6 +165,7 @@ def worked_solution(row: dict) -> str:
         value = int(result)
     return " " + "\n".join(lines) + f"\n<answer>{row['answer']}</answer>"
 
+SFT_TAIL = 100            # sft.json reports the mean loss of the last SFT_TAIL steps (one batch's loss is noisy)
 SFT_SEED = 2 * 10**9       # SFT rows are seeded from here up; held-out prompts use EVAL_SEED = 10**9 + 7
 
 @dataclass(frozen=True)
@@ -216,7 +218,7 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
         model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"]); step = state["step"]
     model.train()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
-    start = time.perf_counter()
+    start, tail, tail_steps = time.perf_counter(), torch.zeros((), device=device), 0     # the last SFT_TAIL steps' loss
     while step < spec.steps:
         if time.time() > deadline:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_file)
@@ -228,14 +230,40 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
         optimizer.zero_grad(set_to_none=True); loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
         if step % 100 == 0: log(f"sft step {step:5d} loss {loss.item():.4f} {time.perf_counter() - start:7.1f} s")
+        if step >= spec.steps - SFT_TAIL: tail += loss.detach(); tail_steps += 1
         step += 1
     model.eval().to("cpu", torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model.generation_config.pad_token_id = 0
     from jetrl.models import no_progress_bars
     with no_progress_bars(): model.save_pretrained(folder); tokenizer.save_pretrained(folder)
-    (folder / "sft.json").write_text(json.dumps(asdict(spec) | {"params": sum(p.numel() for p in model.parameters())}, indent=1))
+    stats = {"params": sum(p.numel() for p in model.parameters()), "seconds_this_call": round(time.perf_counter() - start, 1),
+             "device": device, f"loss_last_{SFT_TAIL}_steps": round(tail.item() / tail_steps, 5) if tail_steps else None}
+    (folder / "sft.json").write_text(json.dumps(asdict(spec) | stats, indent=1))
+    log(f"sft: done, {stats}")
     state_file.unlink(missing_ok=True)
     return True
+
+def check_base_format(folder: Path, spec: SFTSpec, n: int = 10) -> None:
+    """The saved base, loaded as GRPO and the held-out eval load it, must read and write SFT's exact token ids: each
+    prompt through the rollout engine's own encoding (chat template included), each worked solution, and EOS as the
+    engine's stop token. A RuntimeError names the first difference (transformers 5 once gave this Qwen2 folder
+    Qwen2Tokenizer's pre-tokenizer: every GRPO prompt was then ids the model never saw, and accuracy was 0)."""
+    from transformers import PreTrainedTokenizerFast
+    from jetrl.rollout import RolloutEngine, _prompt_token_ids
+    sft_tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")           # what SFT trained with
+    model, tokenizer = load_model_and_tokenizer(str(folder))
+    engine = RolloutEngine(model, tokenizer)
+    for row in sft_rows(spec, n):
+        for what, text, loaded in (("prompt", row["prompt"], _prompt_token_ids(tokenizer, [row["prompt"]], engine.chat_template)[0]),
+                                   ("worked solution", worked_solution(row), tokenizer(worked_solution(row), add_special_tokens=False)["input_ids"])):
+            trained = sft_tokenizer(text, add_special_tokens=False)["input_ids"]
+            if loaded != trained:
+                raise RuntimeError(f"the base in {folder} reads this {what} as other token ids than SFT trained on "
+                                   f"({type(tokenizer).__name__}: {loaded[:12]}... vs SFT's {trained[:12]}...): {text[:60]!r}. "
+                                   "Load the folder with jetrl.policy.load_model_and_tokenizer, which keeps the saved tokenizer.")
+    if engine.eos_ids != [sft_tokenizer.eos_token_id] or engine.pad_id != sft_tokenizer.pad_token_id:
+        raise RuntimeError(f"the rollout stops on token ids {engine.eos_ids} and pads with {engine.pad_id}; SFT ended every "
+                           f"solution with {sft_tokenizer.eos_token_id} and padded with {sft_tokenizer.pad_token_id}")
 
 def encode_worked(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
     "A right-padded SFT batch (B, T): prompt, worked solution, EOS; labels -100 except on the solution and EOS."
@@ -270,6 +298,12 @@ def _config(**kw) -> TrainConfig:
     G = kw.pop("group_size", 8)
     return TrainConfig(**{"grpo": GRPOConfig(num_generations=G, loss_type="dapo", max_completion_length=kw.get("max_new_tokens", 12)), **kw})
 
+# GRPO steps per run of the GPU preset: SFT + 4 strategies x 2 seeds in one device call of <= DEVICE_CALL_S (540 s).
+# `--plan` (gpu_call_estimate, from the first GPU attempt) says 27 steps fit: about 11.4 s per step of all 8 runs
+# (bf16 1.31, fp8-rollout 1.45, fp8-rollout-tis 1.27, jet 1.65 s at ~500 completion tokens), SFT 140 s, 9 evals x 6.3 s,
+# 30 s start-up; 24 leaves ~10% of the GRPO time spare, and --time-budget stops cleanly if the estimate is short.
+GPU_STEPS = 24
+
 PRESETS = {
     "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
                     _config(steps=2, prompts_per_step=2, group_size=4, record_samples=1), window=1, eval_prompts=16),
@@ -277,10 +311,10 @@ PRESETS = {
                        "(bf16 -> FP8 E4M3 1x128 -> FP8 E5M2 per tensor -> 4-bit E2M1 1x16 -> 4-bit E2M1 per row), and jet",
                        WORKSHOP, (0, 1),
                        _config(steps=30, prompts_per_step=8, group_size=8, lr=2e-4, warmup_steps=5, record_samples=1)),
-    "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~530-token completions",
+    "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~500-token completions",
                   ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet"), (0, 1),
                   _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
-                          steps=60, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=1e-4, record_samples=1,
+                          steps=GPU_STEPS, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=1e-4, record_samples=1,
                           position_bucket=64, micro_batch_size=32, warmup_steps=5),
                   sft=SFTSpec()),
 }
@@ -328,7 +362,11 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) 
     if preset.sft is not None:
         if not train_base_policy(preset.sft, out / "base", device, deadline, log): return False
         model = str(out / "base")
-    base_accuracy(preset, out, model, device)
+        check_base_format(out / "base", preset.sft)
+    before = base_accuracy(preset, out, model, device)
+    if before is not None:
+        log(f"base policy: held-out accuracy {before:.3f} ({preset.eval_prompts} prompts x {EVAL_SAMPLES} samples)"
+            + ("; no sample is right, so the accuracy reward gives GRPO no signal" if before == 0 else ""))
     for seed in preset.seeds:
         for strategy in preset.strategies:
             folder = run_dir(out, strategy, seed)
@@ -393,7 +431,8 @@ def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], m
             "is_ratio_max": max(m["mismatch/is_ratio_max"] for m in history), "ess_mean": key("mismatch/ess"),
             "tis_clip_frac_mean": key("mismatch/tis_clip_frac"), "token_mult_prob_error_mean": key("mismatch/token_mult_prob_error"),
             "completion_length_mean": key("completions/mean_length"), "seconds_per_step": key("time/step"),
-            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command}
+            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command,
+            "complete": None}                                  # write_report: whether every run of the set is finished
 
 def _fmt(x, spec=".2f") -> str: return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -481,9 +520,12 @@ def report_figure(histories: dict[tuple[str, int], list[dict]], rows: list[dict]
     fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision")
     return fig
 
-def write_report(preset: Preset, out: Path, command: str, results: Path | None) -> tuple[str, list[dict]]:
-    "report.html, table.md and summary.jsonl in `out` (and the results file); returns (table, rows)."
-    histories, rows = {}, []
+def write_report(preset: Preset, out: Path, command: str, results: Path | None, log=print) -> tuple[str, list[dict]]:
+    """table.md and summary.jsonl in `out` (every run with a finished step), the results file and its curves (the finished
+    runs only, each marked `complete`: whether every (strategy, seed) of the preset is finished), then report.html.
+    Returns (table, rows). The data is written before the figure, and the figure is skipped with a note where plotly is
+    missing (the GPU machine has torch, transformers, triton and numpy only): run the command again elsewhere to draw it."""
+    histories, rows, finished = {}, [], []
     model = str(out / "base") if preset.sft is not None else preset.train.model
     model_params = _count_params(model)
     for seed in preset.seeds:
@@ -496,28 +538,39 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None) 
             done = json.loads((folder / "done.json").read_text()) if (folder / "done.json").exists() else {}
             before = json.loads((out / "eval_base.json").read_text())["accuracy"] if (out / "eval_base.json").exists() else None
             rows.append(run_summary(preset, s, seed, history, model_params, command, (before, done.get("eval_accuracy"))))
+            if done: finished.append((s, seed))
     if not rows: raise RuntimeError(f"no run in {out} has a finished step yet: nothing to report")
+    complete = len(finished) == len(preset.strategies) * len(preset.seeds)
+    for r in rows: r["complete"] = complete
     table = paper_table(rows, preset.strategies)
     note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
             f"{EVAL_SAMPLES} samples each at the training temperature, master weights in high precision. Train accuracy: mean over the first / last {preset.window} steps "
             f"(sampled, new prompts each step). Diverged: a non-finite loss, or either accuracy falling by more than {DIVERGENCE_DROP}.")
+    if not complete:
+        note += (f" Incomplete: {len(finished)} of {len(preset.strategies) * len(preset.seeds)} runs finished "
+                 f"({', '.join(f'{s} seed {seed}' for s, seed in finished) or 'none'}); a run without an 'after' accuracy is still going.")
     (out / "table.md").write_text(table + "\n\n" + note + "\n")
     (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fig = report_figure(histories, rows, preset.strategies)
-    html = fig.to_html(include_plotlyjs=True, full_html=True)
-    html = html.replace("<body>", f"<body><h2>jetrl reproduce ({preset.name})</h2><p>{note}</p><pre>{table}</pre>"
-                                  f"<p><code>{command}</code></p>", 1)
-    (out / "report.html").write_text(html)
-    if results is not None:
+    if results is not None and finished:
+        done_rows = [r for r in rows if (r["strategy"], r["seed"]) in finished]
         results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in rows))
-        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves(histories)) + "\n")
+        results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in done_rows))
+        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves({k: histories[k] for k in finished})) + "\n")
+    header = f"<h2>jetrl reproduce ({preset.name})</h2><p>{note}</p><pre>{table}</pre><p><code>{command}</code></p>"
+    try: fig = report_figure(histories, rows, preset.strategies)
+    except ImportError as e:                      # plotly is optional: the numbers above are already written
+        log(f"report: no figure ({e}; `pip install plotly` and run the same command again to draw it); "
+            f"table.md, summary.jsonl{' and ' + str(results) if results is not None and finished else ''} are written")
+        (out / "report.html").write_text(f"<!doctype html><html><body>{header}<p>No figure: {e}.</p></body></html>\n")
+        return table, rows
+    html = fig.to_html(include_plotlyjs=True, full_html=True).replace("<body>", "<body>" + header, 1)
+    (out / "report.html").write_text(html)
     return table, rows
 
 RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "accuracy_first", "accuracy_last", "diverged",
                "eval_accuracy_before", "eval_accuracy_after",
                "kl_k3_mean", "logp_abs_diff_mean", "is_ratio_min", "is_ratio_max", "ess_mean", "tis_clip_frac_mean",
-               "completion_length_mean", "seconds_per_step", "preset", "command")
+               "completion_length_mean", "seconds_per_step", "preset", "complete", "command")
 
 def _count_params(model_name: str) -> int:
     config = Path(model_name) / "config.json"
@@ -596,10 +649,75 @@ def _param_count(s: SFTSpec) -> int:
                  + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
     return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
 
-def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict:
-    """What a run of `preset` will carry and cost, from a measurement here at a small size.
+# One device call on one H200, as measured by the first GPU attempt (`--preset gpu --steps 30 --time-budget 470`, base
+# SFT'd in the same call): its per-run rows (s/step and mean completion length), its log (seconds per run, held-out
+# evals), and its SFT (2000 steps x 32 rows in 140 s: the lead's log of that call; those lines are not in the saved log).
+GPU_MEASURED_SUMMARY = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_summary.jsonl"
+GPU_MEASURED_LOG = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_log.txt"
+GPU_MEASURED_SFT = {"steps": 2000, "batch_size": 32, "seconds": 140.0}
+DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
+STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement
 
-    Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. Time: GRPO
+def step_time_model(rows: list[dict]) -> tuple[dict[str, float], float]:
+    """seconds/step = a[strategy] + b x mean completion tokens, least squares with one intercept per strategy and one
+    shared slope b (the measured lengths varied within a strategy across seeds); returns (a, b)."""
+    by = {}
+    for r in rows: by.setdefault(r["strategy"], []).append((r["completion_length_mean"], r["seconds_per_step"]))
+    sxy = sxx = 0.0
+    for points in by.values():
+        mx, my = _mean([x for x, _ in points]), _mean([y for _, y in points])
+        sxy += sum((x - mx) * (y - my) for x, y in points); sxx += sum((x - mx) ** 2 for x, _ in points)
+    slope = max(sxy / sxx, 0.0) if sxx else 0.0
+    return {s: _mean([y for _, y in p]) - slope * _mean([x for x, _ in p]) for s, p in by.items()}, slope
+
+def measured_eval_seconds(log_file: Path, budget_s: float, sft_s: float) -> float:
+    """Seconds per held-out eval (with its policy build), from a budget-stopped call's log: what the budget left beside
+    the SFT and the runs' own seconds, over the evals it did (the base's and one per finished run). An upper bound:
+    the call stopped up to one step before its budget."""
+    text = log_file.read_text()
+    run_s = sum(int(m.group(1)) for m in re.finditer(r"steps, (\d+) s this call", text))
+    evals = 1 + len(re.findall(r"held-out accuracy", text))
+    return (budget_s - sft_s - run_s) / evals
+
+def worked_tokens(preset: Preset) -> float:
+    "Mean tokens of the worked solution (plus EOS) of the preset's GRPO prompts, with the tokenizer its SFT builds."
+    from jetrl.tiny import build_tokenizer
+    tokenizer = build_tokenizer([t for row in sft_rows(preset.sft, 2000) for t in (row["prompt"], worked_solution(row))])
+    rows = eval_rows(replace(preset, eval_prompts=64))
+    return _mean([len(tokenizer(worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows])
+
+def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, summary: Path = GPU_MEASURED_SUMMARY,
+                      log_file: Path = GPU_MEASURED_LOG) -> dict:
+    """Seconds one H200 device call takes for `preset` (SFT, the base eval, every run and its eval), from the first GPU
+    attempt's measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked
+    solution's length, which the SFT'd base writes), SFT time scaled by steps x rows, evals from `measured_eval_seconds`,
+    plus STARTUP_RESERVE_S. Strategies never measured take the slowest intercept. Also the most GRPO steps that fit."""
+    rows = [json.loads(line) for line in summary.read_text().splitlines()]
+    intercept, slope = step_time_model(rows)
+    budget = float(re.search(r"--time-budget (\d+)", rows[0]["command"]).group(1))
+    sft_s = 0.0
+    if preset.sft is not None:
+        sft_s = GPU_MEASURED_SFT["seconds"] * preset.sft.steps * preset.sft.batch_size / (GPU_MEASURED_SFT["steps"] * GPU_MEASURED_SFT["batch_size"])
+    eval_s = measured_eval_seconds(log_file, budget, GPU_MEASURED_SFT["seconds"])
+    tokens = completion_tokens if completion_tokens is not None else worked_tokens(preset)
+    per_step = {s: intercept.get(s, max(intercept.values())) + slope * tokens for s in preset.strategies}
+    runs = len(preset.seeds)
+    all_runs_per_step = runs * sum(per_step.values())
+    fixed = STARTUP_RESERVE_S + sft_s + eval_s * (1 + runs * len(preset.strategies))
+    total = fixed + preset.train.steps * all_runs_per_step
+    return {"seconds_per_step": {s: round(v, 2) for s, v in per_step.items()}, "slope_s_per_token": round(slope, 5),
+            "completion_tokens": round(tokens, 1), "sft_s": round(sft_s, 1), "eval_s_each": round(eval_s, 1),
+            "startup_reserve_s": STARTUP_RESERVE_S, "total_s": round(total, 1), "device_call_s": DEVICE_CALL_S,
+            "max_steps_in_one_call": int((DEVICE_CALL_S - fixed) // all_runs_per_step),
+            "time_budget_s": DEVICE_CALL_S - STARTUP_RESERVE_S,
+            "source": f"{summary.relative_to(REPO)}, {log_file.relative_to(REPO)}, SFT {GPU_MEASURED_SFT}"}
+
+def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict:
+    """What a run of `preset` will carry and cost.
+
+    Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. One H200 device
+    call (presets with an SFT): `gpu_call_estimate`, from the first GPU attempt's measurements. With `measure_steps`
+    (`--measure N`; minutes on a CPU), also GRPO
     steps of every strategy at 4 x 4 rows and 64 new tokens (the GPU preset's model shape, a tiny SFT), timed here;
     each extrapolated to the preset's rows and tokens by FLOPs (trainer: 10 x params x tokens, i.e. forward +
     backward + two no-grad forwards; rollout: rows x new tokens). For the GPU, the newest measured H200 GRPO step
@@ -614,6 +732,12 @@ def plan(preset: Preset, device: str, measure_steps: int = 2, log=print) -> dict
         log(f"model: {params / 1e6:.1f}M parameters; the base policy {2 * params / MiB:.0f} MiB in bf16; a run's checkpoint "
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
             f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's checkpoint out).")
+        call = info["h200_call"] = gpu_call_estimate(preset)
+        log(f"one H200 call: about {call['total_s']:.0f} s of {call['device_call_s']} s (SFT {call['sft_s']:.0f} s, "
+            f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, GRPO s/step {call['seconds_per_step']} "
+            f"at {call['completion_tokens']:.0f} completion tokens, {call['startup_reserve_s']} s start-up reserve); "
+            f"at most {call['max_steps_in_one_call']} GRPO steps per run fit; measured from {call['source']}")
+    if not measure_steps: return info
     with tempfile.TemporaryDirectory() as tmp:
         small_train = replace(preset.train, steps=measure_steps, prompts_per_step=4, grpo=replace(preset.train.grpo, num_generations=4),
                               max_new_tokens=64)
@@ -671,7 +795,8 @@ def parse_args(argv=None):
                                                   "for the workshop and gpu presets, none for smoke)")
     p.add_argument("--unpack", type=Path, help="restore OUT from the parts of an earlier --pack first")
     p.add_argument("--pack", type=Path, help="at the end, write OUT as <= 15 MiB parts into this folder")
-    p.add_argument("--plan", action="store_true", help="print state sizes and a measured time per step, run nothing else")
+    p.add_argument("--plan", action="store_true", help="print state sizes and the one-call H200 time estimate, run nothing else")
+    p.add_argument("--measure", type=int, default=0, help="with --plan: also time this many GRPO steps per strategy here, small")
     args = p.parse_args(argv)
     if args.out is None and not args.plan: p.error("--out is required (a folder for the runs and the report)")
     return args
@@ -696,14 +821,14 @@ def main(argv=None) -> int:
     try:
         preset = preset_from_args(args)
         if args.plan:
-            print(json.dumps(plan(preset, args.device), indent=1)); return 0
+            print(json.dumps(plan(preset, args.device, args.measure), indent=1)); return 0
         if args.unpack: print(f"unpacked {unpack(args.unpack, args.out) / MiB:.1f} MiB into {args.out}")
         done = run_all(preset, args.out, args.device, deadline)
         device = "gpu" if args.device.startswith("cuda") else "cpu"
         results = args.results or (None if preset.name == "smoke" else REPO / "benchmarks" / "results" / f"reproduce_{device}.jsonl")
         table = None
         if any((run_dir(args.out, s, seed) / "metrics.jsonl").exists() for s in preset.strategies for seed in preset.seeds):
-            table, _ = write_report(preset, args.out, command, results if done else None)
+            table, _ = write_report(preset, args.out, command, results)
             print(table)
         print(f"{'done' if done else 'stopped at the time budget: run the same command again to continue'}; "
               f"{time.time() - start:.0f} s; report: {args.out / 'report.html'}")

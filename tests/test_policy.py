@@ -439,17 +439,35 @@ def test_load_policy_from_a_local_folder(family, tie, tmp_path):
     model.save_pretrained(tmp_path); tokenizer.save_pretrained(tmp_path)
     loaded_model, loaded_tok = load_model_and_tokenizer(str(tmp_path))
     assert all_equal_params(loaded_model, model) and not loaded_model.training
-    # transformers picks the tokenizer class from the model type: a Qwen2 folder gets Qwen2Tokenizer, whose own
-    # pre-tokenizer splits digits one by one ("42" -> "4", "2"); so compare on a text without digits, and the vocab
+    # transformers picks the tokenizer class from the model type (a Qwen2 folder gets Qwen2Tokenizer, whose own
+    # pre-tokenizer splits digits one by one): the loaded tokenizer must still cut every text as the saved one does
     assert loaded_tok.get_vocab() == tokenizer.get_vocab()
+    for text in ["the quick fox and the lazy trainer", "what is 12 + 30 ? the answer is 42"]:
+        assert loaded_tok(text)["input_ids"] == tokenizer(text)["input_ids"] and len(tokenizer(text)["input_ids"]) > 5
     text = "the quick fox and the lazy trainer"
-    assert loaded_tok(text)["input_ids"] == tokenizer(text)["input_ids"] and len(tokenizer(text)["input_ids"]) > 5
     assert loaded_tok.decode(loaded_tok(text)["input_ids"]) == text
     policy = load_policy(str(tmp_path), strategy="jet", device="cpu")
     assert policy.spec is STRATEGIES["jet"] and policy.device == torch.device("cpu") and policy.dtype == torch.float32
     assert len(fp8_modules(policy.model)) == N_LINEARS
     assert all_equal_params(policy.model, model)                      # converted in place, weights untouched
     assert policy.tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+def test_local_folder_keeps_jetrls_digit_tokenizer(tmp_path):
+    "A Qwen2 folder saved with jetrl's digit-by-digit BPE (the reproduction's SFT base) loads that BPE, not Qwen2's splitter."
+    from jetrl.policy import tokenizer_file_mismatch
+    from jetrl.tiny import build_tokenizer
+    chains = ["Start with 13. Subtract 15. Add 90.\nAnswer: 13 - 15 = -2\n-2 + 90 = 88\n<answer>88</answer>",
+              "Start with 7. Add 45. Put the final answer in <answer></answer>.\nAnswer: 7 + 45 = 52"] * 8
+    tokenizer = build_tokenizer(chains, vocab_size=VOCAB)
+    tiny_model("qwen2").save_pretrained(tmp_path); tokenizer.save_pretrained(tmp_path)
+    _, loaded = load_model_and_tokenizer(str(tmp_path))
+    assert tokenizer_file_mismatch(loaded, tmp_path) == []
+    for text in chains[:2] + [" -2 - 90 = -92\n<answer>-92</answer>"]:
+        assert loaded(text, add_special_tokens=False)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert (loaded.eos_token_id, loaded.pad_token_id, loaded.padding_side) == (tokenizer.eos_token_id, tokenizer.pad_token_id, "left")
+    assert loaded.chat_template == tokenizer.chat_template
+    from transformers import AutoTokenizer                                  # what transformers alone would have given
+    assert "pre_tokenizer" in tokenizer_file_mismatch(AutoTokenizer.from_pretrained(tmp_path), tmp_path)
 
 def test_load_policy_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

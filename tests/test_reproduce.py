@@ -55,6 +55,54 @@ def test_worked_solution_is_correct_and_long():
     assert chain_steps_reward([row["prompt"]], [solution], [row["intermediate"]]) == [1.0]
 
 
+def test_the_sft_base_reads_grpo_prompts_as_it_was_trained(tmp_path, monkeypatch):
+    "Token for token: GRPO's and the eval's prompts, the worked solutions and EOS are what SFT trained on."
+    spec = R.SFTSpec(hidden_size=64, layers=1, heads=2, kv_heads=1, intermediate_size=128, max_positions=256,
+                     chain_steps=(2, 3), steps=1, batch_size=2)
+    assert R.train_base_policy(spec, tmp_path / "base", "cpu", math.inf, log=lambda *_: None)
+    R.check_base_format(tmp_path / "base", spec)
+    from transformers import AutoModelForCausalLM, AutoTokenizer      # what transformers alone loads: Qwen2's splitter
+    monkeypatch.setattr(R, "load_model_and_tokenizer", lambda name: (AutoModelForCausalLM.from_pretrained(name),
+                                                                      AutoTokenizer.from_pretrained(name)))
+    with pytest.raises(RuntimeError, match="other token ids than SFT trained on"): R.check_base_format(tmp_path / "base", spec)
+
+
+def test_gpu_preset_grpo_task_is_in_its_sft_mix_and_fits():
+    "The GPU preset's GRPO chains are a length SFT taught, its worked solutions are long (>= 400 tokens) and fit the budget."
+    from jetrl.tiny import build_tokenizer
+    preset = R.PRESETS["gpu"]
+    knobs, spec = dict(preset.train.task_knobs), preset.sft
+    assert knobs["steps"] in spec.chain_steps and knobs["digits"] == spec.digits and knobs["operators"] == "+-"
+    tokenizer = build_tokenizer([t for row in R.sft_rows(spec, 500) for t in (row["prompt"], R.worked_solution(row))])
+    rows = R.eval_rows(R.replace(preset, eval_prompts=64))
+    prompt = max(len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows)
+    worked = [len(tokenizer(R.worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows]   # + EOS
+    assert 400 <= min(worked) and max(worked) <= preset.train.max_new_tokens
+    assert prompt + preset.train.max_new_tokens <= spec.max_positions
+
+
+def test_step_time_model_and_eval_seconds_recover_known_numbers(tmp_path):
+    rows = [{"strategy": s, "completion_length_mean": x, "seconds_per_step": a + 0.002 * x}
+            for s, a, xs in (("bf16", 0.5, (100, 300)), ("jet", 0.9, (50, 60)), ("tis", 0.7, (200,))) for x in xs]
+    intercept, slope = R.step_time_model(rows)
+    assert abs(slope - 0.002) < 1e-12 and all(abs(intercept[s] - a) < 1e-9 for s, a in (("bf16", 0.5), ("jet", 0.9), ("tis", 0.7)))
+    log = tmp_path / "log.txt"
+    log.write_text("bf16 seed 0: 30/30 steps, 35 s this call\nbf16 seed 0: held-out accuracy 0.002\n"
+                   "jet seed 0: 10/30 steps, 25 s this call\n")
+    assert R.measured_eval_seconds(log, budget_s=200, sft_s=100) == (200 - 100 - 60) / 2        # the base's eval + one run's
+
+
+def test_gpu_preset_fits_one_device_call_even_at_full_length():
+    "SFT + 4 strategies x 2 seeds + 9 evals within DEVICE_CALL_S, even if every completion ran to max_new_tokens."
+    preset = R.PRESETS["gpu"]
+    assert len(preset.strategies) == 4 and len(preset.seeds) == 2
+    worst = R.gpu_call_estimate(preset, completion_tokens=preset.train.max_new_tokens)
+    assert worst["total_s"] <= R.DEVICE_CALL_S and worst["max_steps_in_one_call"] >= preset.train.steps
+    typical = R.gpu_call_estimate(preset, completion_tokens=500)
+    assert 0.8 * R.DEVICE_CALL_S <= typical["total_s"] < worst["total_s"]                 # the call is used, not wasted
+    assert set(typical["seconds_per_step"]) == set(preset.strategies) and typical["sft_s"] == 140.0
+
+
 def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
     preset = R.replace(R.PRESETS["smoke"], train=R.replace(R.PRESETS["smoke"].train, steps=1), eval_prompts=4)
     assert R.run_all(preset, tmp_path / "out", "cpu", math.inf, log=lambda *_: None)
@@ -71,6 +119,27 @@ def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
     assert lines[0]["logp_abs_diff_mean"] < 1e-5 < lines[1]["logp_abs_diff_mean"]   # bf16, then fp8-rollout
     assert json.loads((tmp_path / "results_curves.json").read_text()).keys() == {"bf16_seed0", "fp8-rollout_seed0"}
     assert (tmp_path / "out" / "report.html").stat().st_size > 0 and "| `fp8-rollout` |" in table
+
+
+def test_a_budget_stopped_set_without_plotly_still_writes_its_finished_runs(tmp_path, monkeypatch):
+    "The GPU machine has no plotly and a call may stop at the time budget: the numbers of finished runs come back anyway."
+    preset = R.replace(R.PRESETS["smoke"], train=R.replace(R.PRESETS["smoke"].train, steps=1), eval_prompts=4)
+    out, results = tmp_path / "out", tmp_path / "results.jsonl"
+    assert R.run_all(R.replace(preset, strategies=("bf16",)), out, "cpu", math.inf, log=lambda *_: None)  # fp8-rollout never ran
+    unfinished = R.run_dir(out, "fp8-rollout", 0)
+    unfinished.mkdir(parents=True)                                    # a run cut after its first step: metrics, no done.json
+    (unfinished / "metrics.jsonl").write_text((R.run_dir(out, "bf16", 0) / "metrics.jsonl").read_text())
+    monkeypatch.setitem(sys.modules, "plotly", None)                 # `import plotly...` now raises ImportError
+    monkeypatch.setitem(sys.modules, "plotly.subplots", None)
+    said = []
+    table, rows = R.write_report(preset, out, "cmd", results, log=said.append)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["strategy"], r["seed"], r["complete"]) for r in lines] == [("bf16", 0, False)]   # finished runs only
+    assert lines[0]["eval_accuracy_after"] is not None and set(R.RESULT_KEYS) <= set(lines[0])
+    assert [r["strategy"] for r in rows] == ["bf16", "fp8-rollout"] and "| `fp8-rollout` |" in table   # the table shows both
+    assert len((out / "summary.jsonl").read_text().splitlines()) == 2 and "Incomplete: 1 of 2" in (out / "table.md").read_text()
+    assert "plotly" in said[0] and "<pre>" in (out / "report.html").read_text()
+    assert json.loads((tmp_path / "results_curves.json").read_text()).keys() == {"bf16_seed0"}
 
 
 def test_fp4_rollout_policy_quantizes_only_the_rollout_side():
