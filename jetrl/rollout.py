@@ -226,10 +226,14 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    "The gated MLP, `down(act(gate(x)) * up(x))`, with gate and up as one GEMM where the engine fused them."
-    if not (fused and hasattr(mlp, "jetrl_fused_gate_up")): return mlp(x)
-    gate, up = mlp.jetrl_fused_gate_up(x)
-    return mlp.down_proj(mlp.act_fn(gate) * up)
+    """The gated MLP, `down(act(gate(x)) * up(x))`, with gate and up as one GEMM where the engine fused them. Under grad
+    (the trainer), a gated SiLU MLP keeps only gate(x) and up(x) of its middle for backward (`_SiLUMul`, below)."""
+    if fused and hasattr(mlp, "jetrl_fused_gate_up"):
+        gate, up = mlp.jetrl_fused_gate_up(x)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+    if torch.is_grad_enabled() and type(mlp).__name__ in _GATED_SILU_MLPS and type(mlp.act_fn).__name__ in _SILU_MODULES:
+        return mlp.down_proj(_SiLUMul.apply(mlp.gate_proj(x), mlp.up_proj(x)))
+    return mlp(x)
 
 def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, key_valid: torch.Tensor,
             cache: "StaticKVCache | None" = None, upto: int | None = None, fused: bool = False) -> torch.Tensor:
@@ -265,6 +269,25 @@ def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     columns = torch.arange(input_ids.shape[1], device=input_ids.device)
     h = _layers(model, model.model.embed_tokens(input_ids), positions, columns, attention_mask.bool())
     return model.model.norm(h)
+
+
+# %% ../nbs/05_rollout.ipynb #b4f2d8e1
+_GATED_SILU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")   # down(act(gate(x)) * up(x)), transformers' classes
+_SILU_MODULES = ("SiLU", "SiLUActivation")                               # torch's and transformers' (F.silu both)
+
+class _SiLUMul(torch.autograd.Function):
+    "silu(gate) * up that keeps only gate and up for backward: silu(gate) is recomputed there, by autograd's own ops."
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(d_out * up, gate) if ctx.needs_input_grad[0] else None
+        d_up = d_out * torch.nn.functional.silu(gate) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
 
 
 # %% ../nbs/05_rollout.ipynb #79b9e09b
