@@ -10,6 +10,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'ModuleFilter', 'FP8Recipe', 'ge
            'convert_to_fp8', 'fp8_modules', 'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
 # %% ../nbs/01_linear.ipynb #5bed1de3
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -102,18 +103,37 @@ def _runs_invariant_fprop(x2d: torch.Tensor, w_fp8: FP8Tensor, recipe: FP8Recipe
             and invariant_kernels_available(x2d.device))
 
 def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
-              w_kernel_scale: torch.Tensor | None = None):
+              w_kernel_scale: torch.Tensor | None = None, x_fp8: FP8Tensor | None = None):
     """The FP8 forward GEMM, `x @ W.T + b`, for x (..., K) and an FP8 weight (N, K). Returns (y, x_fp8).
     Training and rollout both call this one function: that is what makes Jet-RL's two sides one graph.
-    `w_kernel_scale` (`kernel_weight_scale(w_fp8)`, cached with a synced weight) only saves the kernel a re-layout."""
+    `w_kernel_scale` (`kernel_weight_scale(w_fp8)`, cached with a synced weight) only saves the kernel a re-layout;
+    `x_fp8`, x's FP8 copy if the caller holds it already (`_quantize`'s bytes), saves the quantizer pass."""
     x2d = x.reshape(-1, x.shape[-1])                                       # (M, K)
-    x_fp8 = _quantize(x2d, recipe, "x", "fprop")
+    if x_fp8 is None: x_fp8 = _quantize(x2d, recipe, "x", "fprop")
     if _runs_invariant_fprop(x2d, w_fp8, recipe):       # GPU: jetrl's batch-invariant GEMM, the bias added in its last step
         y2d = fp8_gemm_invariant(x_fp8, w_fp8, x.dtype, w_kernel_scale, bias)
     else:
         y2d = fp8_mm(x_fp8, w_fp8.t(), out_dtype=x.dtype, b_kernel_scale=w_kernel_scale)   # (M, N), fp32 accumulation
         if bias is not None: y2d = y2d + bias.to(y2d.dtype)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1]), x_fp8
+
+_last_input: tuple | None = None   # weak references: (x, x's version, its quantizer, x_fp8.data, x_fp8.scale, block, fmt)
+
+def _input_quantizer(recipe: FP8Recipe) -> tuple: return recipe.block("x", "fprop"), recipe.act_fmt, recipe.pow2_scale
+
+def _shared_input_fp8(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor | None:
+    """The FP8 copy of x the previous training Fprop made, if it read this very tensor, unchanged, with the same quantizer:
+    q/k/v (and gate/up) read one input, so it is quantized once and saved for backward once, not three (two) times."""
+    if _last_input is None: return None
+    x_ref, version, quantizer, data, scale, block, fmt = _last_input
+    if x_ref() is not x or version != x._version or quantizer != _input_quantizer(recipe): return None
+    data, scale = data(), scale()                     # alive while a graph saves them
+    return None if data is None or scale is None else FP8Tensor(data, scale, block, fmt)
+
+def _remember_input_fp8(x: torch.Tensor, recipe: FP8Recipe, x_fp8: FP8Tensor):
+    global _last_input
+    _last_input = (weakref.ref(x), x._version, _input_quantizer(recipe), weakref.ref(x_fp8.data), weakref.ref(x_fp8.scale),
+                   x_fp8.block, x_fp8.fmt)
 
 class FP8LinearFunction(torch.autograd.Function):
     "y = x @ W.T + b with Fprop, Dgrad and Wgrad quantized per an FP8Recipe; x is saved in FP8."
@@ -125,7 +145,8 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.w_fp8 = None
         if recipe.is_fp8("fprop"):
             w_fp8 = w_fp8 if w_fp8 is not None else quantize_weight(hp_weight, recipe)
-            y, x_fp8 = fp8_fprop(x, w_fp8, bias, recipe, w_kernel_scale)
+            y, x_fp8 = fp8_fprop(x, w_fp8, bias, recipe, w_kernel_scale, _shared_input_fp8(x, recipe))
+            _remember_input_fp8(x, recipe, x_fp8)
             ctx.save_for_backward(x_fp8.data, x_fp8.scale, hp_weight)
             ctx.x_block, ctx.x_fmt = x_fp8.block, x_fp8.fmt
             # where Dgrad's weight blocks are Fprop's (blockwise, tensorwise), reuse the quantized weight, transposed

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import jetrl.linear as linear
 import jetrl.rollout as rollout
 from jetrl.linear import saved_activation_bytes
 from jetrl.policy import Policy, get_strategy, token_log_probs
@@ -37,24 +38,31 @@ def gradients(policy: Policy) -> list[torch.Tensor]:
 
 
 def autograd_mlp(monkeypatch):
-    "The trainer's forward as before: the model's own MLP module under grad too."
+    "The trainer's MLP as before: the model's own module under grad too."
     monkeypatch.setattr(rollout, "_mlp", lambda mlp, x, fused=False: mlp(x))
+
+
+def unshared_inputs(monkeypatch):
+    "Each FP8 linear quantizes its input itself, as before (q, k and v: three copies of one input)."
+    monkeypatch.setattr(linear, "_shared_input_fp8", lambda x, recipe: None)
+
+
+def saved(policy: Policy) -> int:
+    ids, mask = batch()
+    return saved_activation_bytes(lambda: token_log_probs(policy.model, ids, mask), list(policy.model.parameters()))
 
 
 @pytest.mark.parametrize("strategy, hp_dtype, checkpointing", [("bf16", "float32", False), ("bf16", "bfloat16", True),
                                                              ("jet", "bfloat16", False), ("jet", "float32", True)])
 def test_mlp_recompute_gives_the_same_bits(strategy, hp_dtype, checkpointing, monkeypatch):
     ours = gradients(make_policy(strategy, hp_dtype, checkpointing))
-    autograd_mlp(monkeypatch)
+    autograd_mlp(monkeypatch); unshared_inputs(monkeypatch)
     reference = gradients(make_policy(strategy, hp_dtype, checkpointing))
     assert len(ours) == len(reference) and all(torch.equal(a, b) for a, b in zip(ours, reference))
 
 
 @pytest.mark.parametrize("strategy", ["bf16", "jet"])
 def test_mlp_recompute_drops_one_intermediate_tensor_per_layer(strategy, monkeypatch):
-    ids, mask = batch()
-    def saved(policy):
-        return saved_activation_bytes(lambda: token_log_probs(policy.model, ids, mask), list(policy.model.parameters()))
     ours = saved(make_policy(strategy, "bfloat16"))
     autograd_mlp(monkeypatch)
     before = saved(make_policy(strategy, "bfloat16"))
@@ -69,3 +77,12 @@ def test_no_grad_forward_runs_the_models_own_mlp(monkeypatch):
     monkeypatch.setattr(rollout._SiLUMul, "apply", lambda *a: calls.append(1))
     with torch.no_grad(): token_log_probs(policy.model, ids)
     assert calls == []
+
+
+def test_q_k_v_and_gate_up_save_one_fp8_input(monkeypatch):
+    "jet: q/k/v share one FP8 copy of their input, gate/up another; before, each linear saved its own."
+    ours = saved(make_policy("jet", "bfloat16"))
+    unshared_inputs(monkeypatch)
+    before = saved(make_policy("jet", "bfloat16"))
+    fp8_input = ROWS * SEQ * (HIDDEN + HIDDEN // linear.KERNEL_BLOCK * 4)      # E4M3 bytes + one fp32 scale per 1x128
+    assert before - ours == LAYERS * 3 * fp8_input                           # 2 fewer for q/k/v, 1 for gate/up
