@@ -117,6 +117,17 @@ def micro_batch_loss(policy: Policy, input_ids: torch.Tensor, prompt_len: int) -
     return loss
 
 
+def _totals_tracker():
+    "torch's MemTracker without its per-module statistics (it refuses a module called twice, as the chunked head is)."
+    from torch.distributed._tools.mem_tracker import MemTracker
+    class TotalsTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs): pass
+        def _post_fw_hook(self, module, inputs, outputs): pass
+        def _pre_bw_hook(self, module, args): pass
+        def _post_bw_hook(self, module, args): pass
+    return TotalsTracker()
+
+
 class _Memory:
     "Bytes allocated now and at the peak since `start()`: the CUDA allocator, or torch's MemTracker on the CPU."
     def __init__(self, device: torch.device, model):
@@ -126,12 +137,11 @@ class _Memory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); self.base = torch.cuda.memory_allocated()
         else:
-            from torch.distributed._tools.mem_tracker import MemTracker
             from jetrl.linear import fp8_modules
             # the FP8 weight caches exist already: known tensors, else the tracker counts them where an op first reads them
             cached = [t for m in fp8_modules(self.model).values() if m._synced is not None
                       for t in (m._synced[2].data, m._synced[2].scale, m._synced[3]) if t is not None]
-            self.tracker = MemTracker(); self.tracker.track_external(self.model, *cached); self.tracker.__enter__()
+            self.tracker = _totals_tracker(); self.tracker.track_external(self.model, *cached); self.tracker.__enter__()
             self.base = self._cpu("current")
         return self
 
@@ -199,12 +209,17 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=0, help="another vocabulary size (0: the model's); the layer parts do not depend on it")
     p.add_argument("--target", default="24x64x640", help="layers x rows x seq to extrapolate to")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--logprob-chunk", type=int, default=0,
+                   help="positions per chunk of the head's log-softmax (0: jetrl.policy.LOGPROB_CHUNK_TOKENS)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per decoder layer")
     p.add_argument("--no-gpu-graph", action="store_true", help="CPU: the CPU's own graph (fp32-statistics RMSNorm, SDPA)")
     p.add_argument("--no-peak", action="store_true", help="only the table (no MemTracker pass)")
     p.add_argument("--out", default=None, help="append one JSON object per strategy to this file")
     args = p.parse_args(argv)
     target = tuple(int(v) for v in args.target.split("x"))
+    if args.logprob_chunk:
+        import jetrl.policy
+        jetrl.policy.LOGPROB_CHUNK_TOKENS = args.logprob_chunk
     emulate = args.device == "cpu" and not args.no_gpu_graph
     command = "python benchmarks/activation_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for strategy in args.strategies.split(","):
@@ -214,7 +229,8 @@ def main(argv=None):
             result = measure(policy, args.rows, args.seq, args.prompt_len, not args.no_peak)
         print("\n".join(report(strategy, result, layers, args.rows, args.seq, target)) + "\n", flush=True)
         if args.out:
-            row = dict(model=args.model, strategy=strategy, layers=layers, rows=args.rows, seq=args.seq,
+            row = dict(model=args.model, strategy=strategy, layers=layers, rows=args.rows, seq=args.seq, vocab=args.vocab or None,
+                       logprob_chunk=args.logprob_chunk or None,
                        checkpointing=args.checkpointing, device=args.device, gpu_graph=emulate or args.device == "cuda",
                        table={k: v[0] for k, v in result["table"].items()}, held_after_forward=result.get("held_after_forward"),
                        peak=result.get("peak"), torch=torch.__version__, command=command)
