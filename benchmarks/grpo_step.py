@@ -4,6 +4,8 @@
         --micro-batch 16 --out benchmarks/results/grpo_step_h200.jsonl
     python benchmarks/grpo_step.py --model qwen2-7b --prompts 16 --samples 8 --prompt-len 128 --new-tokens 512 \
         --micro-batch 4 --checkpointing --out benchmarks/results/grpo_step_h200.jsonl
+    python benchmarks/grpo_step.py --model qwen2-0.5b --strategies bf16,jet --micro-batch 64 --checkpointing \
+        --out benchmarks/results/grpo_step_h200.jsonl      # issue #11's memory target: micro-batches of 64 rows < 40 GB
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
   rollout:  the engine generates samples x new-tokens per prompt (EOS ignored: every row generates the same tokens)
@@ -73,7 +75,9 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (0: all)")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per decoder layer")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing per decoder layer: a layer keeps only its input for backward and runs its "
+                        "forward again there (the same numbers; benchmarks/activation_memory.py shows what each part keeps)")
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--out", default=None)

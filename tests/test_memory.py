@@ -86,3 +86,10 @@ def test_q_k_v_and_gate_up_save_one_fp8_input(monkeypatch):
     before = saved(make_policy("jet", "bfloat16"))
     fp8_input = ROWS * SEQ * (HIDDEN + HIDDEN // linear.KERNEL_BLOCK * 4)      # E4M3 bytes + one fp32 scale per 1x128
     assert before - ours == LAYERS * 3 * fp8_input                           # 2 fewer for q/k/v, 1 for gate/up
+
+
+@pytest.mark.parametrize("strategy", ["bf16", "jet"])
+def test_checkpointing_gives_the_same_bits(strategy):
+    "`--checkpointing` (issue #11's way under 40 GB): each layer's forward runs again in backward, the same numbers."
+    plain, checkpointed = (gradients(make_policy(strategy, "bfloat16", c)) for c in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
