@@ -76,7 +76,8 @@ def _where(module_stack: list[str]) -> tuple[str, bool]:
         name, file = frame.f_code.co_name, frame.f_code.co_filename
         if function is None and any(s in file for s in _SOURCES) and name not in ("_call_impl", "_wrapped_call_impl", "apply"):
             function = name
-        if name == "block" and file.endswith("rollout.py"): in_layer = True     # `_layers`' block: one decoder layer
+        # `_layers`' block is one decoder layer; what `_layers` saves itself is per layer too (checkpointed layers' inputs)
+        if name in ("block", "_layers") and file.endswith("rollout.py"): in_layer = True
         frame = frame.f_back
     module = re.sub(r"layers\.\d+\.", "", module_stack[-1]) if module_stack else "-"
     in_layer = in_layer or bool(module_stack and re.search(r"layers\.\d+\.", module_stack[-1]))
