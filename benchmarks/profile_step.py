@@ -8,6 +8,7 @@ time for --decode-steps eager decode steps and for one forward + backward of --m
 """
 import argparse, sys
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import profile, ProfilerActivity
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -45,6 +46,30 @@ def graphed_decode_kernels(engine, prompts, steps: int, n: int) -> str:
     return "\n".join(lines)
 
 
+def train_profile(policy, engine, prompts, strategy: str, args):
+    """One training micro-batch (forward + backward), three ways: wall time per call (3 calls, synchronized), the sum
+    of its kernels' GPU time, and the host ops that take the most CPU time. Wall far above kernel time means the GPU
+    waits for Python (launches, small ops), and fusing kernels will not help until the host work shrinks."""
+    import time
+    rollout = engine.generate(prompts[: args.micro_batch], SamplingParams(max_new_tokens=512, seed=0, ignore_eos=True))
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    step = lambda: token_log_probs(policy.model, ids, mask).sum().backward()
+    step(); torch.cuda.synchronize()                                          # warm-up
+    walls = []
+    for _ in range(3):
+        start = time.perf_counter(); step(); torch.cuda.synchronize(); walls.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(); torch.cuda.synchronize()
+    gpu_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
+    events = prof.key_averages()
+    print(f"\n##### {strategy}: one training micro-batch ({args.micro_batch} x {ids.shape[1]}), forward + backward: "
+          f"wall {1e3 * sorted(walls)[1]:.1f} ms (median of 3), GPU kernels {gpu_ms:.1f} ms", flush=True)
+    print(f"--- {strategy}: top kernels by GPU time")
+    print(top_kernels(prof, args.top))
+    print(f"--- {strategy}: top host ops by self CPU time")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2-7b")
@@ -55,6 +80,8 @@ def main(argv=None):
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--top", type=int, default=22)
     p.add_argument("--decode-only", action="store_true", help="only the graphed decode step's kernels")
+    p.add_argument("--train-only", action="store_true",
+                   help="only the training micro-batch: wall time against kernel time, and the host's busiest ops")
     args = p.parse_args(argv)
     for strategy in args.strategies.split(","):
         model, tokenizer = build(args.model, torch.bfloat16)
@@ -62,6 +89,9 @@ def main(argv=None):
         prompts = torch.randint(10, model.config.vocab_size, (args.rows, args.prompt_len),
                                 generator=torch.Generator().manual_seed(1)).tolist()
         graphed = RolloutEngine(policy, chat_template=False)
+        if args.train_only:
+            train_profile(policy, graphed, prompts, strategy, args)
+            del policy, graphed, model; torch.cuda.empty_cache(); continue
         params = SamplingParams(max_new_tokens=64, seed=0, ignore_eos=True)
         graphed.generate(prompts, params)
         timing = graphed.generate(prompts, params).timing
