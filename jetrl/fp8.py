@@ -7,11 +7,11 @@ Docs: https://jetrl.github.io/jetrl/fp8.html.md"""
 # %% auto #0
 __all__ = ['FP8_DTYPES', 'Block', 'POW2_SCALE_LIMIT', 'KERNEL_BLOCK', 'KERNEL_ROW_ALIGN', 'fp8_dtype', 'fp8_max', 'resolve_block',
            'scale_shape', 'compute_scale', 'FP8Tensor', 'quantize_unchecked', 'check_quantizable', 'quantize', 'sqnr',
-           'kernel_layout', 'has_fp8_kernel', 'kernel_weight_scale', 'fp8_mm']
+           'kernel_layout', 'has_fp8_kernel', 'eager_custom_op', 'kernel_weight_scale', 'fp8_mm']
 
 # %% ../nbs/00_fp8.ipynb #af6c51ea
 from typing import NamedTuple, Sequence
-import math
+import functools, math
 import torch
 import torch.nn.functional as F
 
@@ -180,6 +180,22 @@ def has_fp8_kernel(device: torch.device, layout: str | None) -> bool:
     capability = _CAPABILITY[index]
     return capability >= (9, 0) if layout.startswith("blockwise") else capability >= (8, 9)
 
+# %% ../nbs/00_fp8.ipynb #02293fb5
+def eager_custom_op(name: str, **kwargs):
+    """`torch.library.custom_op(name, **kwargs)` for a function whose eager calls skip the dispatcher: under
+    `torch.compile` or fake tensors the registered op runs (and `register_fake` works as on the op), otherwise the
+    function itself, which is what the op would run."""
+    def wrap(fn):
+        op = torch.library.custom_op(name, **kwargs)(fn)
+        @functools.wraps(fn)
+        def call(*args, **kw):
+            if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+                return op(*args, **kw)
+            return fn(*args, **kw)
+        call.op, call.register_fake = op, op.register_fake
+        return call
+    return wrap
+
 # %% ../nbs/00_fp8.ipynb #4e3cf98b
 def _round_up(n: int, multiple: int) -> int: return math.ceil(n / multiple) * multiple
 
@@ -198,7 +214,7 @@ def _column_major(t: torch.Tensor) -> torch.Tensor: return t.t().contiguous().t(
 # inputs arrive contiguous (K-major) from the compiled quantizers: inductor must not pick other strides
 _CONTIGUOUS_INPUTS = getattr(torch.Tag, "needs_contiguous_strides", torch.Tag.needs_fixed_stride_order)
 
-@torch.library.custom_op("jetrl::fp8_gemm", mutates_args=(), tags=(_CONTIGUOUS_INPUTS,))
+@eager_custom_op("jetrl::fp8_gemm", mutates_args=(), tags=(_CONTIGUOUS_INPUTS,))
 def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, bt_data: torch.Tensor, bt_scale: torch.Tensor,
               layout: str, out_dtype: torch.dtype) -> torch.Tensor:
     """The real FP8 GEMM `a @ bt.T`, both operands given K-major: a (M, K) and bt (N, K), each with its

@@ -63,11 +63,12 @@ def test_invariant_fp8_gemm_matches_emulation_and_is_batch_invariant(K, N):
 
 @cuda
 def test_invariant_fp8_gemm_bias_and_tiles():
-    "The bias added in the GEMM's last step equals PyTorch's `y + bias`; every tile gives the same bits."
-    from jetrl.kernels import fp8_gemm_invariant, quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles
+    """The bias added in the GEMM's last step equals PyTorch's `y + bias`; every tile gives the same bits, with the FP8
+    tiles loaded by pointers or through tensor descriptors (TMA), ragged edges included."""
+    from jetrl.kernels import fp8_gemm_invariant, quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles, tma_loads_possible
     from jetrl.fp8 import kernel_weight_scale
     torch.manual_seed(0)
-    for M, K, N in [(1000, 896, 4864), (1000, 18944, 512), (77, 4864, 896)]:      # 7, 148 and 38 K blocks
+    for M, K, N in [(1000, 896, 4864), (1000, 18944, 512), (77, 4864, 896), (333, 272, 200)]:  # 7, 148, 38, 2 + 1/8 K blocks
         x_fp8 = quantize_1x128(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
         w = quantize(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
         for bias in (torch.randn(N, device="cuda"), torch.randn(N, device="cuda", dtype=torch.bfloat16)):  # fp32 or bf16 master
@@ -77,12 +78,14 @@ def test_invariant_fp8_gemm_bias_and_tiles():
         assert fp8_gemm_tiles(M, N, K)[0] >= 64
         for tiles in [(64, 64, 4, 3, 1), (128, 128, 8, 3, 8), (64, 128, 4, 4, 8), (256, 64, 8, 4, 1), (64, 32, 8, 5, 1),
                       (128, 32, 8, 3, 1)]:
-            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, kernel_weight_scale(w), None, out, tiles)
-            assert torch.equal(out, reference), f"{(M, K, N)} tiles {tiles}: other bits"
-            b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-            launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, kernel_weight_scale(w), b, out, tiles)
-            assert torch.equal(out, reference + b), f"{(M, K, N)} tiles {tiles}: other bits with a bias"
+            for tma in (False, True):
+                assert tma_loads_possible(x_fp8.data, w.data)
+                out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+                launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, kernel_weight_scale(w), None, out, tiles, tma=tma)
+                assert torch.equal(out, reference), f"{(M, K, N)} tiles {tiles}, tma={tma}: other bits"
+                b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+                launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, kernel_weight_scale(w), b, out, tiles, tma=tma)
+                assert torch.equal(out, reference + b), f"{(M, K, N)} tiles {tiles}, tma={tma}: other bits with a bias"
 
 @cuda
 def test_invariant_matmul_norm_attention_are_batch_invariant():
