@@ -10,7 +10,11 @@ Per linear shape (M tokens, K inputs, N outputs), blockwise recipe, bf16 activat
   move at least (inputs read once, outputs written once);
 - the bytes and scales of old and new, compared (torch.equal on the codes);
 - one FP8LinearFunction forward + backward, old passes vs fused, its dx and dW compared bit for bit.
---sweep also times the kernels at other launches (rows per chunk, warps), to tune DUAL_LAUNCH / REQUANTIZE_LAUNCH.
+Each pass is timed twice: `_ms` around one eager call (CUDA events; at small shapes this is the CPU's launch
+overhead: Python, the custom op, the FP8Tensor), and `_graph_ms` as the GPU's time alone (20 calls captured in one CUDA
+graph, replayed). --sweep also times both kernels at every launch of `jetrl.grad_kernels.LAUNCH_CANDIDATES` (form:
+one-pass tile or two-pass chunks, warps, register cap) and checks each one's bytes against the old passes, to choose
+DUAL_LAUNCH / REQUANTIZE_LAUNCH; it prints one compact table per shape.
 """
 import argparse, json, sys
 import torch
@@ -21,8 +25,6 @@ from jetrl.kernels import quantize_1x128
 from jetrl.linear import FP8LinearFunction, get_recipe
 
 QWEN2_7B = "3584x18944,18944x3584,3584x3584,3584x512"      # K x N: gate/up, down, q/o, k/v
-SWEEP = [dict(CHUNK=16, num_warps=4), dict(CHUNK=32, num_warps=4), dict(CHUNK=32, num_warps=8),
-         dict(CHUNK=64, num_warps=8), dict(CHUNK=128, num_warps=8)]
 
 
 def median_ms(fn, warmup: int = 3, reps: int = 20) -> float:
@@ -35,6 +37,19 @@ def median_ms(fn, warmup: int = 3, reps: int = 20) -> float:
         start.record(); fn(); end.record(); torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_ms(fn, calls: int = 20, reps: int = 10) -> float:
+    "The GPU's time of one fn() in ms, without the CPU's launch overhead: `calls` calls in one CUDA graph, median replay."
+    fn(); torch.cuda.synchronize()                              # compiled (and the memory pool warm) before capture
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls): fn()
+    except RuntimeError as e:                                   # a pass that cannot be captured: no GPU-only time
+        print(f"  (not capturable in a CUDA graph: {str(e).splitlines()[0]})")
+        return float("nan")
+    return median_ms(graph.replay, warmup=2, reps=reps) / calls
 
 
 def same_bytes(a, b) -> bool:
@@ -61,7 +76,9 @@ def passes(M: int, K: int, N: int) -> dict:
     for name, (fn, nbytes) in timed.items():
         row[name + "_ms"] = ms = median_ms(fn)
         row[name + "_gbps"] = nbytes / ms / 1e6
-    row["old_total_ms"] = sum(v for k, v in row.items() if k.startswith("old_") and k.endswith("_ms"))
+        row[name + "_graph_ms"] = ms = graph_ms(fn)
+        row[name + "_graph_gbps"] = nbytes / ms / 1e6
+    row["old_total_ms"] = sum(v for k, v in row.items() if k.startswith("old_") and k.endswith("_ms") and "graph" not in k)
     row["new_total_ms"] = row["new_requantize_x_ms"] + row["new_dual_dy_ms"]
     dgrad, wgrad = quantize_dual_1x128(dy)
     row["bytes_equal"] = (same_bytes(dgrad, quantize_1x128(dy)) and same_bytes(wgrad, quantize_1x128(dy.t()).t())
@@ -89,28 +106,55 @@ def layer_step(M: int, K: int, N: int) -> dict:
     return row
 
 
+def launch_name(launch: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in launch.items())
+
+
 def sweep(M: int, K: int, N: int) -> list[dict]:
-    "The two kernels at other launches (all give the same bytes; only the time changes)."
+    """Both kernels at every launch of LAUNCH_CANDIDATES: eager and graph ms, GB/s of the graph time, and whether the
+    bytes equal the old passes'. The tables are restored afterwards."""
+    torch.manual_seed(0)
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     x_fp8 = quantize_1x128(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
-    defaults, rows = (dict(grad_kernels.DUAL_LAUNCH), dict(grad_kernels.REQUANTIZE_LAUNCH)), []
+    want_dgrad, want_wgrad = quantize_1x128(dy), quantize_1x128(dy.t()).t()
+    want_x = quantize_1x128(x_fp8.dequantize(torch.bfloat16).t()).t()
+    dual_bytes = M * N * 4 + 4 * M * -(-N // 128) + 4 * N * -(-M // 128)
+    requantize_bytes = M * K * 2 + 4 * M * -(-K // 128) + 4 * K * -(-M // 128)
+    tables = (grad_kernels.DUAL_LAUNCH, grad_kernels.REQUANTIZE_LAUNCH)
+    defaults, rows = [dict(t) for t in tables], []
     try:
-        for launch in SWEEP:
-            grad_kernels.DUAL_LAUNCH.clear(); grad_kernels.DUAL_LAUNCH.update(launch)
-            grad_kernels.REQUANTIZE_LAUNCH.clear(); grad_kernels.REQUANTIZE_LAUNCH.update(launch)
-            rows.append(dict(launch, dual_ms=median_ms(lambda: quantize_dual_1x128(dy)),
-                             requantize_ms=median_ms(lambda: requantize_for_wgrad(x_fp8, torch.bfloat16))))
+        for launch in grad_kernels.LAUNCH_CANDIDATES:
+            for t in tables: t.clear(); t.update(launch)
+            dual, requantize = lambda: quantize_dual_1x128(dy), lambda: requantize_for_wgrad(x_fp8, torch.bfloat16)
+            dgrad, wgrad = dual()
+            row = dict(launch=launch_name(launch), dual_ms=median_ms(dual), dual_graph_ms=graph_ms(dual),
+                       requantize_ms=median_ms(requantize), requantize_graph_ms=graph_ms(requantize),
+                       bytes_equal=same_bytes(dgrad, want_dgrad) and same_bytes(wgrad, want_wgrad)
+                       and same_bytes(requantize(), want_x))
+            row.update(dual_graph_gbps=dual_bytes / row["dual_graph_ms"] / 1e6,
+                       requantize_graph_gbps=requantize_bytes / row["requantize_graph_ms"] / 1e6)
+            rows.append(row)
     finally:
-        for table, default in zip((grad_kernels.DUAL_LAUNCH, grad_kernels.REQUANTIZE_LAUNCH), defaults):
-            table.clear(); table.update(default)
+        for t, default in zip(tables, defaults): t.clear(); t.update(default)
     return rows
+
+
+def print_sweep(rows: list[dict]):
+    print(f"  {'launch (LAUNCH_CANDIDATES)':34} {'dual ms':>8} {'graph':>7} {'GB/s':>6}   {'requant ms':>10} {'graph':>7} {'GB/s':>6}  bytes")
+    defaults = launch_name(grad_kernels.DUAL_LAUNCH), launch_name(grad_kernels.REQUANTIZE_LAUNCH)
+    for r in rows:
+        mark = ("D" if r["launch"] == defaults[0] else " ") + ("R" if r["launch"] == defaults[1] else " ")
+        print(f"{mark}{r['launch']:34} {r['dual_ms']:8.3f} {r['dual_graph_ms']:7.3f} {r['dual_graph_gbps']:6.0f}   "
+              f"{r['requantize_ms']:10.3f} {r['requantize_graph_ms']:7.3f} {r['requantize_graph_gbps']:6.0f}  "
+              f"{'equal' if r['bytes_equal'] else 'DIFFER'}")
+    print("  (D, R: today's DUAL_LAUNCH, REQUANTIZE_LAUNCH; GB/s of the graph time)")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=10240, help="M: rows of a micro-batch (16 x 640 by default)")
     p.add_argument("--shapes", default=QWEN2_7B, help="comma-separated KxN of the linears")
-    p.add_argument("--sweep", action="store_true", help="also time other launches of the two kernels")
+    p.add_argument("--sweep", action="store_true", help="also time every launch of LAUNCH_CANDIDATES (bytes checked)")
     p.add_argument("--out", help="append one JSON line per shape to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
@@ -121,17 +165,16 @@ def main(argv=None):
         print(f"\nM={M} K={K} N={N}")
         for name in ("old_a_dequantize_x", "old_b_quantize_xT", "old_c_quantize_dy", "old_d_quantize_dyT",
                      "new_requantize_x", "new_dual_dy"):
-            print(f"  {name:20} {row[name + '_ms']:8.3f} ms  {row[name + '_gbps']:7.0f} GB/s")
+            print(f"  {name:20} {row[name + '_ms']:8.3f} ms  {row[name + '_gbps']:7.0f} GB/s   graph "
+                  f"{row[name + '_graph_ms']:8.3f} ms  {row[name + '_graph_gbps']:7.0f} GB/s")
         print(f"  passes: old {row['old_total_ms']:.3f} ms, new {row['new_total_ms']:.3f} ms "
               f"({row['old_total_ms'] / row['new_total_ms']:.2f}x); bytes equal: {row['bytes_equal']}")
         print(f"  FP8LinearFunction fwd+bwd: old {row['layer_old_ms']:.3f} ms, new {row['layer_new_ms']:.3f} ms; "
               f"dx, dW bit for bit: {row['grads_equal']}")
         if args.sweep:
             row["sweep"] = sweep(M, K, N)
-            for r in row["sweep"]:
-                print(f"  launch CHUNK={r['CHUNK']:3} warps={r['num_warps']}: dual {r['dual_ms']:.3f} ms, "
-                      f"requantize {r['requantize_ms']:.3f} ms")
-        ok &= row["bytes_equal"] and row["grads_equal"]
+            print_sweep(row["sweep"])
+        ok &= row["bytes_equal"] and row["grads_equal"] and all(r["bytes_equal"] for r in row.get("sweep", []))
         row.update(command="python " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
         if args.out:
             with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")

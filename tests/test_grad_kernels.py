@@ -11,7 +11,7 @@ import torch
 import jetrl.linear
 from jetrl.fp8 import FP8Tensor, KERNEL_BLOCK, quantize_unchecked
 from jetrl.kernels import HAS_TRITON, INTERPRETING, invariant_kernels_available
-from jetrl.grad_kernels import (HP_DTYPES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers,
+from jetrl.grad_kernels import (HP_DTYPES, LAUNCH_CANDIDATES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers,
                                 fused_grad_quantizers_active, _round_to_format)
 from jetrl.linear import FP8Recipe, FP8LinearFunction, _quantize
 
@@ -84,6 +84,37 @@ def test_dual_reads_a_strided_gradient():
     for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE))
     assert_same_fp8(for_dgrad, quantize_unchecked(dy, (1, G)))
     assert_same_fp8(for_wgrad, transposed_oracle(dy.contiguous(), "e4m3"))
+
+
+@pytest.fixture
+def launch_tables():
+    "DUAL_LAUNCH and REQUANTIZE_LAUNCH, restored after the test."
+    tables = (jetrl.grad_kernels.DUAL_LAUNCH, jetrl.grad_kernels.REQUANTIZE_LAUNCH)
+    saved = [dict(t) for t in tables]
+    yield tables
+    for t, s in zip(tables, saved): t.clear(); t.update(s)
+
+
+@needs_kernels
+@pytest.mark.parametrize("launch", LAUNCH_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
+def test_every_launch_candidate_gives_the_same_bytes(launch, launch_tables):
+    "Every launch the benchmark sweeps (one-pass tile, two-pass chunks) gives the CPU quantizer's bytes, both kernels."
+    for t in launch_tables: t.clear(); t.update(launch)
+    for M, N in [(300, 200), (129, 256)]:                       # partial tiles along both dimensions
+        dy = ragged_values(M, N, torch.bfloat16, seed=3)
+        for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE), "e4m3")
+        assert_same_fp8(for_dgrad, quantize_unchecked(dy, (1, G), "e4m3"))
+        assert_same_fp8(for_wgrad, transposed_oracle(dy, "e4m3"))
+        x_fp8 = quantize_unchecked(dy, (1, G), "e4m3")
+        got = requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"), torch.bfloat16)
+        assert_same_fp8(got, transposed_oracle(x_fp8.dequantize(torch.bfloat16), "e4m3"))
+
+
+@needs_kernels
+def test_an_unknown_launch_form_fails_clearly(launch_tables):
+    launch_tables[0].update(form="rows")
+    with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['chunks', 'tile'\]"):
+        quantize_dual_1x128(torch.randn(4, 8, device=DEVICE))
 
 
 # ---- x: Wgrad's operand from the saved FP8 copy ----

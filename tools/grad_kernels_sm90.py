@@ -3,6 +3,7 @@ and print each launch's registers and spills. Arguments are specialized as Trito
 (strides of 1 become constants, multiples of 16 get divisibility hints).
 
     python tools/grad_kernels_sm90.py                    # M=10240 tokens, K=3584, N=18944; every launch of the sweep
+                                                         # (jetrl.grad_kernels.LAUNCH_CANDIDATES)
 """
 import argparse, itertools, os, subprocess, tempfile
 import torch
@@ -12,12 +13,12 @@ from triton.compiler import ASTSource
 
 from jetrl import grad_kernels as gk
 
-LAUNCHES = [(16, 4), (32, 4), (32, 8), (64, 8), (128, 8)]          # (rows per chunk, warps), as benchmarks/grad_quant.py
+COMPILER_OPTIONS = ("num_warps", "num_stages", "maxnreg")                  # launch keys that go to the compiler
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", "e4m3": "*fp8e4nv", "e5m2": "*fp8e5"}
 
 
-def ptxas_report(fn, args: dict, constants: dict, warps: int) -> str:
+def ptxas_report(fn, args: dict, constants: dict, options: dict) -> str:
     "args: name -> (type, value at this shape); a value of 1 is specialized to a constant, multiples of 16 get /16 hints."
     signature, consts, attrs = {}, dict(constants), {}
     for i, (name, (kind, value)) in enumerate(args.items()):
@@ -27,7 +28,7 @@ def ptxas_report(fn, args: dict, constants: dict, warps: int) -> str:
             if kind.startswith("*") or value % 16 == 0: attrs[(i,)] = [["tt.divisibility", 16]]
     signature.update({k: "constexpr" for k in constants})
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+                              target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"]); f.flush()
@@ -40,22 +41,24 @@ def main(argv=None):
     p.add_argument("--shape", default="10240x3584x18944", help="MxKxN")
     args = p.parse_args(argv)
     M, K, N = map(int, args.shape.split("x"))
-    dual, requantize = gk._quantize_kernels()["quantize_dual"], gk._requantize_kernels()["requantize_for_wgrad"]
-    for (chunk, warps), fmt, hp in itertools.product(LAUNCHES, ["e4m3", "e5m2"], [torch.bfloat16, torch.float32]):
-        constants = dict(gk._fp8_constants(fmt), EXACT_ROUNDING=False, G=gk.KERNEL_BLOCK, CHUNK=chunk)
-        q = POINTER[fmt]
-        print(f"dual       {fmt} dy {str(hp):14} CHUNK {chunk:3} warps {warps}:", ptxas_report(dual, dict(
+    duals, requantizes = gk._quantize_kernels(), gk._requantize_kernels()
+    for launch, fmt, hp in itertools.product(gk.LAUNCH_CANDIDATES, ["e4m3", "e5m2"], [torch.bfloat16, torch.float32]):
+        launch = dict(launch)
+        form, name, q = launch.pop("form"), " ".join(f"{k}={v}" for k, v in launch.items()), POINTER[fmt]
+        options = {k: launch.pop(k) for k in COMPILER_OPTIONS if k in launch}        # the rest are the kernel's constexprs
+        constants = dict(gk._fp8_constants(fmt), EXACT_ROUNDING=False, G=gk.KERNEL_BLOCK, **launch)
+        name = f"{form:6} {name:22}"
+        print(f"dual       {fmt} dy {str(hp):14} {name}:", ptxas_report(duals[form], dict(
             x_ptr=(POINTER[hp], 0), q_ptr=(q, 0), scale_ptr=("*fp32", 0), qt_ptr=(q, 0), scale_t_ptr=("*fp32", 0), M=("i32", M),
             N=("i32", N), stride_x=("i32", N), stride_x_col=("i32", 1), stride_q=("i32", N), stride_scale=("i32", -(-N // 128)),
-            stride_qt=("i32", M), stride_scale_t=("i32", -(-M // 128))), constants, warps))
+            stride_qt=("i32", M), stride_scale_t=("i32", -(-M // 128))), constants, options))
         grid = gk._grid(hp)
-        print(f"requantize {fmt} to {str(hp):14} CHUNK {chunk:3} warps {warps}:", ptxas_report(requantize, dict(
+        print(f"requantize {fmt} to {str(hp):14} {name}:", ptxas_report(requantizes[form], dict(
             q_ptr=(q, 0), s_ptr=("*fp32", 0), qt_ptr=(q, 0), scale_t_ptr=("*fp32", 0), M=("i32", M), K=("i32", K),
             stride_q=("i32", K), stride_q_col=("i32", 1), stride_s=("i32", -(-K // 128)), stride_s_col=("i32", 1),
             stride_qt=("i32", M), stride_scale_t=("i32", -(-M // 128))),
             dict(constants, HP_DTYPE=TL_DTYPES[hp], HP_MANTISSA=grid["MANTISSA"], HP_MIN_EXP=grid["MIN_EXP"], HP_MAX=grid["MAX"]),
-            warps))
-
+            options))
 
 if __name__ == "__main__":
     main()
