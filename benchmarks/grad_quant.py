@@ -12,7 +12,8 @@ Per linear shape (M tokens, K inputs, N outputs), blockwise recipe, bf16 activat
 - one FP8LinearFunction forward + backward, old passes vs fused, its dx and dW compared bit for bit.
 Each pass is timed twice: `_ms` around one eager call (CUDA events; at small shapes this is the CPU's launch
 overhead: Python, the custom op, the FP8Tensor), and `_graph_ms` as the GPU's time alone (20 calls captured in one CUDA
-graph, replayed). --sweep also times both kernels at every launch of `jetrl.grad_kernels.LAUNCH_CANDIDATES` (form:
+graph, replayed; repeated calls read the same input, so one that fits the H200's 50 MB L2, as dy at N=512 does,
+can show more than HBM's bandwidth). --sweep also times both kernels at every launch of `jetrl.grad_kernels.LAUNCH_CANDIDATES` (form:
 one-pass tile or two-pass chunks, warps, register cap) and checks each one's bytes against the old passes, to choose
 DUAL_LAUNCH / REQUANTIZE_LAUNCH; it prints one compact table per shape.
 """
