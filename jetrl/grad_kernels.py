@@ -12,7 +12,7 @@ __all__ = ['DUAL_LAUNCH', 'REQUANTIZE_LAUNCH', 'LAUNCH_CANDIDATES', 'HP_DTYPES',
 from contextlib import contextmanager
 import functools, math
 import torch
-from .fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK
+from .fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK, eager_custom_op
 from .kernels import HAS_TRITON, INTERPRETING, _triton, invariant_kernels_available
 
 # %% ../nbs/00b_grad_kernels.ipynb #472a236b
@@ -172,7 +172,7 @@ def _check_kernels_run(t: torch.Tensor, name: str):
                            f"(TRITON_INTERPRET=1 set before importing jetrl); got a {t.device.type} tensor"
                            f"{'' if HAS_TRITON else ', and Triton is not installed'}.")
 
-@torch.library.custom_op("jetrl::quantize_dual_1x128", mutates_args=())
+@eager_custom_op("jetrl::quantize_dual_1x128", mutates_args=())
 def _quantize_dual_op(dy2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     (M, N), G = dy2d.shape, KERNEL_BLOCK
     data, scale = dy2d.new_empty((M, N), dtype=fp8_dtype(fmt)), dy2d.new_empty((M, math.ceil(N / G)), dtype=torch.float32)
@@ -273,7 +273,7 @@ def _requantize_kernels() -> dict:
 # %% ../nbs/00b_grad_kernels.ipynb #2f156825
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the backward's dtypes the requantizer rounds to
 
-@torch.library.custom_op("jetrl::requantize_for_wgrad", mutates_args=())
+@eager_custom_op("jetrl::requantize_for_wgrad", mutates_args=())
 def _requantize_op(x_data: torch.Tensor, x_scale: torch.Tensor, hp_dtype: torch.dtype, fmt: str
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K), G = x_data.shape, KERNEL_BLOCK
