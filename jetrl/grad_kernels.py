@@ -145,7 +145,7 @@ def _quantize_kernels() -> dict:
 
 # %% ../nbs/00b_grad_kernels.ipynb #5f014467
 # form: "tile" (one pass, the whole 128x128 tile in registers) or "chunks" (two passes of CHUNK rows); warps per tile
-DUAL_LAUNCH = dict(form="tile", num_warps=16)
+DUAL_LAUNCH = dict(form="tile", num_warps=8, maxnreg=128)     # two programs per SM: measured fastest
 REQUANTIZE_LAUNCH = dict(form="tile", num_warps=8)
 # every launch benchmarks/grad_quant.py --sweep times (and tests check byte for byte) for either kernel
 LAUNCH_CANDIDATES = (dict(form="tile", num_warps=8), dict(form="tile", num_warps=8, maxnreg=128),
