@@ -304,8 +304,11 @@ def _config(**kw) -> TrainConfig:
 GPU_STEPS = 12
 GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
 # The learning rate every strategy shares. Attempt 2 used 1e-4 (5 warm-up steps): every strategy, bf16 included, lost
-# held-out accuracy (bf16 0.59 -> 0.32 / 0.36) from the step the warm-up reached ~7e-5 on, with completion lengths
-# unchanged (~501 tokens); see /work/notes/issue-14.md, session 5, and benchmarks/reproduce_lr_probe.py.
+# held-out accuracy (bf16 0.59 -> 0.32 / 0.36), its train accuracy falling after the first updates at 7e-5 (seed 1)
+# or 1e-4 (seed 0) of the warm-up, completion lengths unchanged (~501 tokens). The same signature on a CPU (benchmarks/reproduce_lr_probe.py,
+# bf16 GRPO on a 0.46M SFT'd base, results in benchmarks/results/reproduce_lr_probe_cpu.jsonl): held-out 0.635 ->
+# 0.63 / 0.62 / 0.60 / 0.52 / 0.18 / 0.02 at lr 1e-5 / 3e-5 / 1e-4 / 3e-4 / 1e-3 / 3e-3 (mean of 2 seeds), lengths
+# unchanged; a 10x lower rate is harmless there. 1e-5 is ~7x below where the 22.8M base started to fall.
 GPU_LR = 1e-5
 
 PRESETS = {
@@ -752,7 +755,7 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
                  "run_checkpoint_bf16_MiB": round(6 * params / MiB, 1)}
         log(f"model: {params / 1e6:.1f}M parameters; the base policy {2 * params / MiB:.0f} MiB in bf16; a run's checkpoint "
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
-            f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's checkpoint out).")
+            f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's folder out).")
         call = info["h200_call"] = gpu_call_estimate(preset)
         log(f"one H200 call: about {call['total_s']:.0f} s, sized for {call['target_call_s']} s (SFT {call['sft_s']:.0f} s, "
             f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, "
