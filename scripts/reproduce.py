@@ -16,7 +16,7 @@ What it does, in order, each stage resumable (run the same command again to cont
 
 `--time-budget S` stops at a step boundary before S seconds have passed (a run's next step is started only if
 the mean step time so far fits), so a GPU machine lent in calls of at most 10 minutes can spread the work over
-several calls. `--pack DIR` writes the whole OUT folder as a few gzip'd tar parts of at most 15 MiB each (64 MiB in
+several calls. `--pack DIR` writes the whole OUT folder as a few gzip'd tar parts of at most 15 MiB each (60 MiB in
 all, or it stops and says which files are too big); `--unpack DIR` restores it before the work starts.
 
 Learning is scored twice: the train accuracy (sampled, new prompts every step: noisy) and the held-out accuracy of
@@ -44,7 +44,7 @@ from jetrl.train import TrainConfig, make_task, read_metrics, train
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
 PART_BYTES = 15 * MiB          # a packed part: under the device tool's 16 MiB a file
-PACK_BYTES = 64 * MiB          # all parts together: the device tool's 64 MiB
+PACK_BYTES = 60 * MiB          # all parts together: the device tool's 64 MiB, less room for the log and tables beside them
 DIVERGENCE_DROP = 0.10         # diverged: the held-out accuracy, or the train accuracy's last window, more than this
                                # below where it started (or a non-finite loss / gradient norm); one rule for every run
 
@@ -298,11 +298,18 @@ def _config(**kw) -> TrainConfig:
     G = kw.pop("group_size", 8)
     return TrainConfig(**{"grpo": GRPOConfig(num_generations=G, loss_type="dapo", max_completion_length=kw.get("max_new_tokens", 12)), **kw})
 
-# GRPO steps per run of the GPU preset: SFT + 4 strategies x 2 seeds in one device call of <= DEVICE_CALL_S (540 s).
-# `--plan` (gpu_call_estimate, from the first GPU attempt) says 27 steps fit: about 11.4 s per step of all 8 runs
-# (bf16 1.31, fp8-rollout 1.45, fp8-rollout-tis 1.27, jet 1.65 s at ~500 completion tokens), SFT 140 s, 9 evals x 6.3 s,
-# 30 s start-up; 24 leaves ~10% of the GRPO time spare, and --time-budget stops cleanly if the estimate is short.
-GPU_STEPS = 24
+# GRPO steps per run of the GPU preset: SFT + 4 strategies x 2 seeds in one device call of about TARGET_CALL_S (420 s).
+# `--plan` (gpu_call_estimate, from the GPU attempts) says 12 fit at the worked solution's ~501 tokens: SFT 1500 steps
+# 118 s, 9 evals x 3.4 s, 8 runs x (14.9 s + 12 steps), 9.9 s per step of all 8 runs, 30 s start-up reserve.
+GPU_STEPS = 12
+GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
+# The learning rate every strategy shares. Attempt 2 used 1e-4 (5 warm-up steps): every strategy, bf16 included, lost
+# held-out accuracy (bf16 0.59 -> 0.32 / 0.36), its train accuracy falling after the first updates at 7e-5 (seed 1)
+# or 1e-4 (seed 0) of the warm-up, completion lengths unchanged (~501 tokens). The same signature on a CPU (benchmarks/reproduce_lr_probe.py,
+# bf16 GRPO on a 0.46M SFT'd base, results in benchmarks/results/reproduce_lr_probe_cpu.jsonl): held-out 0.635 ->
+# 0.63 / 0.62 / 0.60 / 0.52 / 0.18 / 0.02 at lr 1e-5 / 3e-5 / 1e-4 / 3e-4 / 1e-3 / 3e-3 (mean of 2 seeds), lengths
+# unchanged; a 10x lower rate is harmless there. 1e-5 is ~7x below where the 22.8M base started to fall.
+GPU_LR = 1e-5
 
 PRESETS = {
     "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
@@ -314,9 +321,9 @@ PRESETS = {
     "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~500-token completions",
                   ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet"), (0, 1),
                   _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
-                          steps=GPU_STEPS, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=1e-4, record_samples=1,
+                          steps=GPU_STEPS, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=GPU_LR, record_samples=1,
                           position_bucket=64, micro_batch_size=32, warmup_steps=5),
-                  sft=SFTSpec()),
+                  sft=SFTSpec(steps=GPU_SFT_STEPS)),
 }
 
 
@@ -591,15 +598,18 @@ def _tgz(out: Path, leave_out: set[Path]) -> bytes:
 
 def pack(out: Path, into: Path, limit: int = PACK_BYTES, log=print) -> list[Path]:
     """OUT as gzip'd tar parts `reproduce.tgz.partNN` of at most PART_BYTES each, `limit` in all. Over the limit,
-    the checkpoints of unfinished runs are left out (those runs restart from step 0 next time: said loudly);
+    the folders of unfinished runs and an unfinished SFT's state are left out (they restart from step 0 next time:
+    said loudly; finished runs and the finished base are always kept);
     still over, it stops and names the largest files. OUT itself is never changed."""
     data = _tgz(out, set())
-    if len(data) > limit:
-        unfinished = {f.resolve() for f in (out / "runs").glob("*_seed*/checkpoint") if not (f.parent / "done.json").exists()}
-        if unfinished:
-            data = _tgz(out, unfinished)
-            log(f"pack: {out} is over {limit / MiB:.0f} MiB with its checkpoints; left out those of the unfinished runs "
-                f"{sorted(p.parent.name for p in unfinished)}: after --unpack they restart from step 0")
+    if len(data) > limit:           # whole folders: a run's metrics without its checkpoint would refuse to resume
+        unfinished = {f.resolve() for f in (out / "runs").glob("*_seed*") if f.is_dir() and not (f / "done.json").exists()}
+        sft_state = {p.resolve() for p in [out / "base" / "sft_state.pt"] if p.exists()}
+        if unfinished or sft_state:
+            data = _tgz(out, unfinished | sft_state)
+            log(f"pack: {out} is over {limit / MiB:.0f} MiB with its checkpoints; left out "
+                + "; ".join([f"the unfinished runs {sorted(p.name for p in unfinished)} (after --unpack they restart from step 0)"] * bool(unfinished)
+                            + ["the unfinished SFT's state (after --unpack it restarts from step 0)"] * bool(sft_state)))
     if len(data) > limit:
         files = sorted((p for p in out.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)[:5]
         biggest = ", ".join(f"{p.relative_to(out)} ({p.stat().st_size / MiB:.1f} MiB)" for p in files)
@@ -649,13 +659,16 @@ def _param_count(s: SFTSpec) -> int:
                  + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
     return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
 
-# One device call on one H200, as measured by the first GPU attempt (`--preset gpu --steps 30 --time-budget 470`, base
-# SFT'd in the same call): its per-run rows (s/step and mean completion length), its log (seconds per run, held-out
-# evals), and its SFT (2000 steps x 32 rows in 140 s: the lead's log of that call; those lines are not in the saved log).
-GPU_MEASURED_SUMMARY = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_summary.jsonl"
-GPU_MEASURED_LOG = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_log.txt"
-GPU_MEASURED_SFT = {"steps": 2000, "batch_size": 32, "seconds": 140.0}
+# One device call on one H200, as measured by the GPU attempts (`--preset gpu`, base SFT'd in the same call). Attempt 2
+# (`--time-budget 500`, 24 steps, the SFT'd base writing ~501-token completions) gives the SFT time (its sft.json), the
+# seconds of each run and of the evals (its log) and s/step at the real length (its summary); attempt 1 (30 steps, a
+# tokenizer bug made completions of 49..396 tokens) adds the spread in length that fits the per-token slope.
+GPU_ATTEMPT2 = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt2"
+GPU_MEASURED_SUMMARIES = (REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_summary.jsonl", GPU_ATTEMPT2 / "summary.jsonl")
+GPU_MEASURED_LOG = GPU_ATTEMPT2 / "log.txt"
+GPU_MEASURED_SFT = GPU_ATTEMPT2 / "sft.json"
 DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
+TARGET_CALL_S = 420            # what the gpu preset is sized for: the lead's device budget per call
 STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement
 
 def step_time_model(rows: list[dict]) -> tuple[dict[str, float], float]:
@@ -670,14 +683,20 @@ def step_time_model(rows: list[dict]) -> tuple[dict[str, float], float]:
     slope = max(sxy / sxx, 0.0) if sxx else 0.0
     return {s: _mean([y for _, y in p]) - slope * _mean([x for x, _ in p]) for s, p in by.items()}, slope
 
-def measured_eval_seconds(log_file: Path, budget_s: float, sft_s: float) -> float:
-    """Seconds per held-out eval (with its policy build), from a budget-stopped call's log: what the budget left beside
-    the SFT and the runs' own seconds, over the evals it did (the base's and one per finished run). An upper bound:
-    the call stopped up to one step before its budget."""
+def measured_call_seconds(log_file: Path, summary_rows: list[dict], sft_s: float) -> dict:
+    """From one call's log (and its summary rows): the seconds per held-out eval (with its policy build) and each run's
+    seconds beside its steps (policy build, optimizer, a checkpoint every `save_every` steps). The call's elapsed time
+    is its last line's "N s; report"; the evals get what the SFT and the runs leave of it, over the evals done (the
+    base's and one per finished run): an upper bound, as it also holds the base's format check and the report."""
     text = log_file.read_text()
-    run_s = sum(int(m.group(1)) for m in re.finditer(r"steps, (\d+) s this call", text))
-    evals = 1 + len(re.findall(r"held-out accuracy", text))
-    return (budget_s - sft_s - run_s) / evals
+    runs = [(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)))
+            for m in re.finditer(r"^(\S+ seed \d+): (\d+)/(\d+) steps, (\d+) s this call", text, re.M)]
+    elapsed = float(re.findall(r"; (\d+) s; report", text)[-1])
+    evals = 1 + len(re.findall(r"seed \d+: held-out accuracy", text))
+    step_s = {f"{r['strategy']} seed {r['seed']}": r["seconds_per_step"] for r in summary_rows}
+    overhead = [seconds - done * step_s[name] for name, done, _, seconds in runs if name in step_s]
+    return {"eval_s": (elapsed - sft_s - sum(r[3] for r in runs)) / evals, "run_overhead_s": _mean(overhead),
+            "elapsed_s": elapsed, "evals": evals, "runs": len(runs)}
 
 def worked_tokens(preset: Preset) -> float:
     "Mean tokens of the worked solution (plus EOS) of the preset's GRPO prompts, with the tokenizer its SFT builds."
@@ -686,31 +705,36 @@ def worked_tokens(preset: Preset) -> float:
     rows = eval_rows(replace(preset, eval_prompts=64))
     return _mean([len(tokenizer(worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows])
 
-def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, summary: Path = GPU_MEASURED_SUMMARY,
-                      log_file: Path = GPU_MEASURED_LOG) -> dict:
-    """Seconds one H200 device call takes for `preset` (SFT, the base eval, every run and its eval), from the first GPU
-    attempt's measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked
-    solution's length, which the SFT'd base writes), SFT time scaled by steps x rows, evals from `measured_eval_seconds`,
-    plus STARTUP_RESERVE_S. Strategies never measured take the slowest intercept. Also the most GRPO steps that fit."""
-    rows = [json.loads(line) for line in summary.read_text().splitlines()]
+def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, summaries: tuple[Path, ...] = GPU_MEASURED_SUMMARIES,
+                      log_file: Path = GPU_MEASURED_LOG, sft_file: Path = GPU_MEASURED_SFT) -> dict:
+    """Seconds one H200 device call takes for `preset` (SFT, the base eval, every run and its eval), from the GPU
+    attempts' measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked
+    solution's length, which the SFT'd base writes), each run's fixed seconds and the evals' from
+    `measured_call_seconds`, SFT time scaled by steps x rows, plus STARTUP_RESERVE_S. Strategies never measured take
+    the slowest intercept. Also the most GRPO steps that fit in DEVICE_CALL_S and in TARGET_CALL_S."""
+    rows = [json.loads(line) for summary in summaries for line in summary.read_text().splitlines()]
     intercept, slope = step_time_model(rows)
-    budget = float(re.search(r"--time-budget (\d+)", rows[0]["command"]).group(1))
+    sft = json.loads(sft_file.read_text())
+    sft_measured_s = sft["seconds_this_call"]
     sft_s = 0.0
     if preset.sft is not None:
-        sft_s = GPU_MEASURED_SFT["seconds"] * preset.sft.steps * preset.sft.batch_size / (GPU_MEASURED_SFT["steps"] * GPU_MEASURED_SFT["batch_size"])
-    eval_s = measured_eval_seconds(log_file, budget, GPU_MEASURED_SFT["seconds"])
+        sft_s = sft_measured_s * preset.sft.steps * preset.sft.batch_size / (sft["steps"] * sft["batch_size"])
+    call = measured_call_seconds(log_file, [json.loads(line) for line in summaries[-1].read_text().splitlines()], sft_measured_s)
     tokens = completion_tokens if completion_tokens is not None else worked_tokens(preset)
     per_step = {s: intercept.get(s, max(intercept.values())) + slope * tokens for s in preset.strategies}
     runs = len(preset.seeds)
     all_runs_per_step = runs * sum(per_step.values())
-    fixed = STARTUP_RESERVE_S + sft_s + eval_s * (1 + runs * len(preset.strategies))
+    fixed = (STARTUP_RESERVE_S + sft_s + call["eval_s"] * (1 + runs * len(preset.strategies))
+             + call["run_overhead_s"] * runs * len(preset.strategies))
     total = fixed + preset.train.steps * all_runs_per_step
     return {"seconds_per_step": {s: round(v, 2) for s, v in per_step.items()}, "slope_s_per_token": round(slope, 5),
-            "completion_tokens": round(tokens, 1), "sft_s": round(sft_s, 1), "eval_s_each": round(eval_s, 1),
-            "startup_reserve_s": STARTUP_RESERVE_S, "total_s": round(total, 1), "device_call_s": DEVICE_CALL_S,
+            "completion_tokens": round(tokens, 1), "sft_s": round(sft_s, 1), "eval_s_each": round(call["eval_s"], 1),
+            "run_overhead_s_each": round(call["run_overhead_s"], 1), "startup_reserve_s": STARTUP_RESERVE_S,
+            "total_s": round(total, 1), "device_call_s": DEVICE_CALL_S, "target_call_s": TARGET_CALL_S,
             "max_steps_in_one_call": int((DEVICE_CALL_S - fixed) // all_runs_per_step),
-            "time_budget_s": DEVICE_CALL_S - STARTUP_RESERVE_S,
-            "source": f"{summary.relative_to(REPO)}, {log_file.relative_to(REPO)}, SFT {GPU_MEASURED_SFT}"}
+            "max_steps_in_target": int((TARGET_CALL_S - fixed) // all_runs_per_step),
+            "time_budget_s": TARGET_CALL_S - STARTUP_RESERVE_S,
+            "source": ", ".join(str(p.relative_to(REPO)) for p in (*summaries, log_file, sft_file))}
 
 def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict:
     """What a run of `preset` will carry and cost.
@@ -731,12 +755,14 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
                  "run_checkpoint_bf16_MiB": round(6 * params / MiB, 1)}
         log(f"model: {params / 1e6:.1f}M parameters; the base policy {2 * params / MiB:.0f} MiB in bf16; a run's checkpoint "
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
-            f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's checkpoint out).")
+            f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's folder out).")
         call = info["h200_call"] = gpu_call_estimate(preset)
-        log(f"one H200 call: about {call['total_s']:.0f} s of {call['device_call_s']} s (SFT {call['sft_s']:.0f} s, "
-            f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, GRPO s/step {call['seconds_per_step']} "
-            f"at {call['completion_tokens']:.0f} completion tokens, {call['startup_reserve_s']} s start-up reserve); "
-            f"at most {call['max_steps_in_one_call']} GRPO steps per run fit; measured from {call['source']}")
+        log(f"one H200 call: about {call['total_s']:.0f} s, sized for {call['target_call_s']} s (SFT {call['sft_s']:.0f} s, "
+            f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, "
+            f"{len(preset.seeds) * len(preset.strategies)} runs x ({call['run_overhead_s_each']} s + {preset.train.steps} steps), "
+            f"GRPO s/step {call['seconds_per_step']} at {call['completion_tokens']:.0f} completion tokens, "
+            f"{call['startup_reserve_s']} s start-up reserve); at most {call['max_steps_in_target']} GRPO steps per run fit "
+            f"in {call['target_call_s']} s, {call['max_steps_in_one_call']} in {call['device_call_s']} s; measured from {call['source']}")
     if not measure_steps: return info
     with tempfile.TemporaryDirectory() as tmp:
         small_train = replace(preset.train, steps=measure_steps, prompts_per_step=4, grpo=replace(preset.train.grpo, num_generations=4),
