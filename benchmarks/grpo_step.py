@@ -81,8 +81,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--out", default=None)
-    p.add_argument("--fuse-projections", action="store_true",
-                   help="the engine runs q/k/v and gate/up as one GEMM each (RolloutEngine(fuse_projections=True))")
+    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine runs q/k/v and gate/up as one GEMM each (default: RolloutEngine's, on a GPU on; "
+                        "--no-fuse-projections to compare)")
     p.add_argument("--no-fused-grad", action="store_true",
                    help="the FP8 backward's separate quantizer passes instead of jetrl.grad_kernels' fused ones (to compare)")
     p.add_argument("--distributed", action="store_true",
@@ -130,7 +131,7 @@ def main(argv=None):
                         prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
-                        warmup_step_s=warmup["step_s"],
+                        warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         torch=torch.__version__, command=command, gpus=world.size if world else 1,

@@ -13,7 +13,7 @@ __all__ = ['TIMEOUT_ENV', 'DEFAULT_TIMEOUT_S', 'SYNC_FORMATS', 'launched_by_torc
            'load_distributed_checkpoint', 'check_checkpoint_launch', 'start_distributed_run', 'train_distributed']
 
 # %% ../nbs/08a_distributed.ipynb #dc194026
-import copy, json, os, random, shlex, shutil, signal, sys, time, warnings
+import atexit, copy, json, os, random, shlex, shutil, signal, sys, time, warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -118,7 +118,13 @@ def init_world(timeout_s: float | None = None) -> World:
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s or float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        atexit.register(_leave_process_group)
     return World(rank, size, device, backend)
+
+def _leave_process_group():
+    """Destroy the process group before the interpreter tears down: a gloo group left to the C++ destructors at exit
+    can abort the process ("terminate called without an active exception", exit code -6) after the run has finished."""
+    if dist.is_initialized(): dist.destroy_process_group()
 
 # %% ../nbs/08a_distributed.ipynb #bb4dd1f8
 def check_divisible(prompts_per_step: int, world_size: int):

@@ -532,11 +532,11 @@ class RolloutEngine:
     cache_implementation: 'static' (the engine's forward over a static KV cache; CUDA graphs on a GPU), 'dynamic'
     (the model's own forward, any model), or 'auto' (static where the model supports it).
     fuse_projections: q/k/v and gate/up as one GEMM each in the engine's forward (`FusedProjection`; an extra copy of
-    those weights, refreshed before every generation). Off by default until measured on a GPU (benchmarks/NOTES.md)."""
+    those weights, refreshed before every generation). None (default): on where the model is on a GPU."""
 
     def __init__(self, policy_or_model: "Policy | nn.Module", tokenizer=None, chat_template: bool = True,
                  cache_implementation: str = "auto", cuda_graphs: bool = True, compile: bool = False,
-                 fuse_projections: bool = False):
+                 fuse_projections: bool | None = None):
         if isinstance(policy_or_model, Policy):
             self.policy, tokenizer = policy_or_model, tokenizer or policy_or_model.tokenizer
         else:
@@ -568,6 +568,11 @@ class RolloutEngine:
         if not ids: raise ValueError("The tokenizer and model define no EOS token: set tokenizer.eos_token.")
         return sorted(ids)
 
+    def fuses_projections(self) -> bool:
+        "Whether the static decoder runs q/k/v and gate/up as one GEMM each (`fuse_projections`, None: on a GPU)."
+        if self.fuse_projections is not None: return self.fuse_projections
+        return next(self.model.parameters()).device.type == "cuda"
+
     def max_context(self) -> int:
         return getattr(self.model.config, "max_position_embeddings", None) or 2**31
 
@@ -576,10 +581,11 @@ class RolloutEngine:
         model = self.model
         if self.cache_implementation == "dynamic": return DynamicDecoder(model)
         refresh_fp8_weights(model)                               # in place: captured graphs keep reading the right bytes
-        if self.fuse_projections: refresh_fused_projections(model)   # the side-by-side weights too, after the caches
+        fuse = self.fuses_projections()
+        if fuse: refresh_fused_projections(model)                # the side-by-side weights too, after the caches
         capacity = -(-columns // CAPACITY_BLOCK) * CAPACITY_BLOCK
         if self._static is None or self._static.model is not model or not self._static.fits(rows, capacity):
-            self._static = StaticDecoder(model, rows, capacity, self.cuda_graphs, self.compile, self.fuse_projections)
+            self._static = StaticDecoder(model, rows, capacity, self.cuda_graphs, self.compile, fuse)
         fingerprint = weights_fingerprint(model)
         if fingerprint != self._static.fingerprint: self._static.drop_graphs(); self._static.fingerprint = fingerprint
         return self._static
