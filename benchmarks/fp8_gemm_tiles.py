@@ -3,8 +3,9 @@
     python benchmarks/fp8_gemm_tiles.py --out benchmarks/results/fp8_gemm_tiles_h200.jsonl
 
 For each (M, N, K) of a Qwen2 linear (trainer: 10,240 rows = 16 x 640 tokens; decode: 64 and 128 rows), times
-every candidate tile of `jetrl.kernels.launch_fp8_gemm` (a tile changes which program computes an output, never a
-bit: each candidate is checked equal to the default), cuBLAS's blockwise FP8 GEMM (`torch._scaled_mm`, not batch
+every candidate tile of `jetrl.kernels.launch_fp8_gemm`, its FP8 tiles loaded by pointers and through TMA descriptors
+(a tile or a load changes which program computes an output, never a bit: each candidate is checked equal to the
+default), cuBLAS's blockwise FP8 GEMM (`torch._scaled_mm`, not batch
 invariant) and cuBLAS BF16, all inside CUDA graphs (no launch gaps), and the activation quantizer at decode.
 Prints one line per shape: the default tile, the fastest tile, cuBLAS FP8 and BF16, in microseconds and TFLOP/s.
 """
@@ -12,7 +13,7 @@ import argparse, json, math, sys, platform
 import torch
 
 from jetrl.fp8 import quantize, fp8_mm, kernel_weight_scale
-from jetrl.kernels import quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles
+from jetrl.kernels import quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles, tma_loads_possible, DECODE_MAX_ROWS
 
 SHAPES = {   # (N, K) per linear; q/k/v and gate/up also fused (their weights concatenated along N)
     "qwen2-7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "qkv": (4608, 3584), "gate/up": (18944, 3584),
@@ -60,16 +61,20 @@ def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
     else:
         candidates = TRAIN_TILES
     if default not in candidates: candidates = [default] + candidates
+    default_tma = M > DECODE_MAX_ROWS and tma_loads_possible(x_fp8.data, w.data)   # launch_fp8_gemm's own choice
     tiles = {}
     for tile in candidates:
-        out = torch.empty_like(reference)
-        try:
-            us = graph_time_us(lambda: launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale, None, out, tile))
-        except Exception as e:                        # out of shared memory, say: not a candidate on this GPU
-            tiles[str(tile)] = {"error": type(e).__name__}; continue
-        same = torch.equal(out, reference)
-        tiles[str(tile)] = {"us": round(us, 2), "same_bits": same}
-        if not same: print(f"!! {model} {name} M={M} tile {tile}: OTHER BITS than the default tile", flush=True)
+        for tma in (False, True):                     # the FP8 tiles loaded by pointers, or through TMA descriptors
+            key = str(tile) + (" tma" if tma else "")
+            out = torch.empty_like(reference)
+            try:
+                us = graph_time_us(lambda: launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale, None, out, tile, tma=tma))
+            except Exception as e:                    # out of shared memory, say: not a candidate on this GPU
+                tiles[key] = {"error": type(e).__name__}; continue
+            same = torch.equal(out, reference)
+            tiles[key] = {"us": round(us, 2), "same_bits": same}
+            if not same: print(f"!! {model} {name} M={M} tile {key}: OTHER BITS than the default tile", flush=True)
+    default = str(default) + (" tma" if default_tma else "")
     flops = 2 * M * N * K
     row = {"model": model, "linear": name, "M": M, "N": N, "K": K, "default_tile": str(default), "tiles": tiles,
            "cublas_fp8_us": round(graph_time_us(lambda: fp8_mm(x_fp8, w.t(), torch.bfloat16, b_kernel_scale=w_scale)), 2),
@@ -77,7 +82,7 @@ def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
     if M <= 256: row["quantize_us"] = round(graph_time_us(lambda: quantize_1x128(x)), 2)
     ok = {t: v["us"] for t, v in tiles.items() if "us" in v and v["same_bits"]}
     best = min(ok, key=ok.get)
-    row |= {"default_us": tiles[str(default)].get("us"), "best_tile": best, "best_us": ok[best]}
+    row |= {"default_us": tiles[default].get("us"), "best_tile": best, "best_us": ok[best]}
     tf = lambda us: f"{flops / us / 1e6:6.0f}"
     print(f"{model:10s} {name:8s} M={M:5d} N={N:5d} K={K:5d} | default {row['default_us']:8.1f} us ({tf(row['default_us'])} TF) "
           f"| best {best} {ok[best]:8.1f} us ({tf(ok[best])} TF) | cuBLAS fp8 {row['cublas_fp8_us']:8.1f} ({tf(row['cublas_fp8_us'])}) "

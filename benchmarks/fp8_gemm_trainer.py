@@ -13,7 +13,11 @@ The candidates change only the schedule, never an operation or its order, so no 
   elements read as zero, as the masked loads do);
 - `tma+pairs`: both;
 - `ws`: today's loop with Triton's automatic warp specialization (a producer warp group loading, consumers computing),
-  where this Triton supports it on Hopper.
+  where this Triton supports it on Hopper (Triton 3.6: it does not compile this loop);
+- `tma+wscalar`: TMA loads, and the weight block's scale read once per tile (a tile of <= 128 columns lies in one
+  128-wide weight block): BLOCK_M scale products per block instead of BLOCK_M x BLOCK_N, each the same fp32 product.
+  Same bits only if the compiler contracts the rescale and the add the same way: the check says.
+`--next` times only the TMA forms at tiles around session 5's winner (128 x 64, one warp group).
 Each is checked bit for bit against `jetrl.kernels.fp8_gemm_invariant` at every shape before it is timed (CUDA graphs).
 """
 import argparse, json, math, sys
@@ -35,6 +39,17 @@ def scaled_block(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb,
     a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
     w_scale = tl.load(w_scale_ptr + (cols // G) * stride_w_scale + kb, mask=col_ok, other=0.0)
     return tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+
+
+@triton.jit
+def scaled_block_scalar_w(a, w, a_scale_ptr, w_scale_ptr, rows, tile_n, row_ok, kb, stride_a_scale, stride_w_scale,
+                          BLOCK_N: tl.constexpr, G: tl.constexpr):
+    # the same rescale with the weight block's scale loaded once per tile: a tile of BLOCK_N <= 128 columns (dividing
+    # 128) lies inside one 128-wide weight block, so its columns share one scale; a_scale * w_scale is then BLOCK_M
+    # products instead of BLOCK_M x BLOCK_N, each the same fp32 product as before
+    a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
+    w_scale = tl.load(w_scale_ptr + ((tile_n * BLOCK_N) // G) * stride_w_scale + kb)
+    return tl.dot(a, tl.trans(w)) * (a_scale * w_scale)[:, None]
 
 
 @triton.jit
@@ -87,7 +102,7 @@ def pointer_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, strid
 @triton.jit
 def tma_gemm(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, M, N, K, stride_a_scale, stride_w_scale, stride_out,
              PAIRS: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-             GROUP_M: tl.constexpr):
+             GROUP_M: tl.constexpr, WSCALAR: tl.constexpr = False):
     tile_m, tile_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,8 +128,12 @@ def tma_gemm(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, M, N, K, stride_
     for kb in tl.range(start, blocks, num_stages=STAGES):
         a = a_desc.load([tile_m * BLOCK_M, kb * G])
         w = w_desc.load([tile_n * BLOCK_N, kb * G])
-        acc += scaled_block(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb, stride_a_scale,
-                            stride_w_scale, G)
+        if WSCALAR:
+            acc += scaled_block_scalar_w(a, w, a_scale_ptr, w_scale_ptr, rows, tile_n, row_ok, kb, stride_a_scale,
+                                         stride_w_scale, BLOCK_N, G)
+        else:
+            acc += scaled_block(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb, stride_a_scale,
+                                stride_w_scale, G)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -130,7 +149,7 @@ def run_variant(variant: str, x_fp8, w_data, w_scale, out, tiles):
         w_desc = TensorDescriptor.from_tensor(w_data, [block_n, G])
         tma_gemm[grid](a_desc, x_fp8.scale, w_desc, w_scale, out, M, N, K, x_fp8.scale.stride(0), w_scale.stride(0),
                        out.stride(0), PAIRS=pairs, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, G=G,
-                       GROUP_M=group_m, num_warps=warps)
+                       GROUP_M=group_m, WSCALAR="wscalar" in variant, num_warps=warps)
     else:
         pointer_gemm[grid](x_fp8.data, x_fp8.scale, w_data, w_scale, out, M, N, K, x_fp8.data.stride(0),
                            x_fp8.scale.stride(0), w_data.stride(0), w_scale.stride(0), out.stride(0), PAIRS=pairs,
@@ -139,8 +158,12 @@ def run_variant(variant: str, x_fp8, w_data, w_scale, out, tiles):
     return out
 
 
-VARIANTS = ("loop", "pairs", "tma", "tma+pairs", "ws")
+VARIANTS = ("loop", "pairs", "tma", "tma+pairs", "ws", "tma+wscalar")
 TILES = ((128, 128, 8, 3, 8), (128, 64, 4, 4, 8), (128, 128, 8, 4, 8), (128, 256, 8, 3, 8))
+# --next (session 5's follow-up): only the TMA forms, around the winning 128 x 64 tile
+NEXT_VARIANTS = ("tma", "tma+wscalar")
+NEXT_TILES = ((128, 64, 4, 4, 8), (128, 64, 4, 3, 8), (128, 64, 4, 5, 8), (64, 128, 4, 4, 8), (256, 64, 8, 4, 8),
+              (128, 64, 8, 4, 8), (128, 32, 4, 4, 8), (128, 64, 4, 4, 16))
 SHAPES = {"qwen2-7b": {"q/o": (3584, 3584), "gate/up": (18944, 3584), "down": (3584, 18944)},
           "qwen2-0.5b": {"q/o": (896, 896), "gate/up": (4864, 896), "down": (896, 4864)}}
 
@@ -150,7 +173,9 @@ def main(argv=None):
     p.add_argument("--models", default="qwen2-7b,qwen2-0.5b")
     p.add_argument("--rows", type=int, default=10240, help="trainer micro-batch tokens")
     p.add_argument("--out", default=None)
+    p.add_argument("--next", action="store_true", help="only the TMA forms, at the tiles around session 5's winner")
     args = p.parse_args(argv)
+    variants, tiles_list = (NEXT_VARIANTS, NEXT_TILES) if args.next else (VARIANTS, TILES)
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     if on_gpu: from fp8_gemm_tiles import graph_time_us
@@ -175,8 +200,8 @@ def main(argv=None):
             if on_gpu:
                 row["cublas_fp8_us"] = graph_time_us(lambda: fp8_mm(x_fp8, w.t(), torch.bfloat16, b_kernel_scale=w_scale))
                 row["cublas_bf16_us"] = graph_time_us(lambda: x_hp @ w_hp.t())
-            for variant in VARIANTS:
-                for tiles in TILES if on_gpu else TILES[:2]:
+            for variant in variants:
+                for tiles in tiles_list if on_gpu else tiles_list[:2]:
                     out = torch.empty_like(today)
                     try:
                         run_variant(variant, x_fp8, w.data, w_scale, out, tiles)
