@@ -160,8 +160,9 @@ def _kernel(kernels: dict, launch: dict, table: str):
         raise ValueError(f"{table}['form'] is one of {sorted(kernels)}, got {form!r}.")
     return kernels[form], launch
 
+@functools.cache
 def _fp8_constants(fmt: str) -> dict:
-    "What the kernels need to know of an FP8 format (and whether to round exactly: under the interpreter)."
+    "What the kernels need to know of an FP8 format (and whether to round exactly: under the interpreter); made once."
     grid = _grid(fp8_dtype(fmt))
     return dict(FP8_MAX=fp8_max(fmt), TINY=torch.finfo(torch.float32).tiny, MANTISSA=grid["MANTISSA"],
                 MIN_EXP=grid["MIN_EXP"], EXACT_ROUNDING=INTERPRETING)

@@ -238,11 +238,22 @@ def fp8_gemm_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride must be multiples of this
 
+@functools.cache
+def _tensor_descriptors_available() -> bool:
+    "Whether this Triton has host-side tensor descriptors (checked once: the GEMM asks on every call)."
+    try: from triton.tools.tensor_descriptor import TensorDescriptor   # noqa: F401
+    except ImportError: return False
+    return True
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    "Whether `device` loads through TMA: a Hopper-class GPU or newer, or the CPU interpreter."
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
 def tma_loads_possible(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
     """Whether the FP8 GEMM can load its tiles through tensor descriptors (Hopper's TMA): a Hopper-class GPU (or the
     interpreter), a Triton that has them, both operands with contiguous rows 16-byte aligned (start and stride)."""
-    if a_data.device.type == "cuda" and torch.cuda.get_device_capability(a_data.device) < (9, 0): return False
-    if importlib.util.find_spec("triton.tools.tensor_descriptor") is None: return False
+    if not (_has_tma(a_data.device) and _tensor_descriptors_available()): return False
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0
                for t in (a_data, w_data))
 
