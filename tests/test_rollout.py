@@ -291,6 +291,16 @@ def test_fused_projections_match_separate_linears(tokenizer, strategy):
                            torch.cat([m.fp8_weight().data for m in (attn.q_proj, attn.k_proj, attn.v_proj)]).view(torch.uint8))
 
 
+def test_fused_projections_default_by_device(tokenizer):
+    "Fused by default only on a GPU (measured faster there, columns bitwise); on the CPU the engine keeps the separate linears."
+    policy = Policy(make_qwen(tokenizer), tokenizer, "jet")
+    engine = RolloutEngine(policy, chat_template=False)
+    assert engine.fuse_projections is None and engine.fuses_projections() is False
+    engine.generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=2, ignore_eos=True))
+    assert not any(hasattr(l.self_attn, "jetrl_fused_qkv") for l in policy.rollout_model.model.layers)
+    assert RolloutEngine(policy, chat_template=False, fuse_projections=True).fuses_projections() is True
+
+
 def test_fused_projection_refuses_what_cannot_be_laid_side_by_side():
     from jetrl.rollout import FusedProjection
     from jetrl.linear import FP8Linear
