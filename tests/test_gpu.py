@@ -450,3 +450,24 @@ def test_fused_grad_quantizers_faster_at_7b_shapes(capsys):
         new = _cuda_ms(lambda: (quantize_dual_1x128(dy), requantize_for_wgrad(x_fp8, torch.bfloat16)))
         with capsys.disabled(): print(f"\nbackward quantization at M={M} K={K} N={N}: old passes {old:.3f} ms, fused {new:.3f} ms")
         assert new <= ratio * old, ((K, N), old, new)
+
+
+@cuda
+def test_kernels_past_2_31_elements():
+    "A quantizer input and a GEMM output of more than 2^31 elements: the far rows equal the same rows run alone."
+    from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, needs_64bit_offsets
+    torch.manual_seed(0)
+    M, K = 140_000, 16_384                                                       # 2.29e9 elements
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    assert needs_64bit_offsets(x)
+    far = x[-300:]                                                               # offsets past 2^31
+    whole, alone = quantize_1x128(x), quantize_1x128(far)
+    assert torch.equal(whole.data[-300:].view(torch.uint8), alone.data.view(torch.uint8))
+    assert torch.equal(whole.scale[-300:], alone.scale)
+    del x, whole
+    a = quantize_1x128(torch.randn(M, 128, device="cuda", dtype=torch.bfloat16))
+    w = quantize(torch.randn(K, 128, device="cuda") / 12, (128, 128))
+    out = fp8_gemm_invariant(a, w, torch.bfloat16)                               # (M, K) output: 2.29e9 elements
+    tail = type(a)(a.data[-300:], a.scale[-300:], a.block, a.fmt)
+    assert torch.equal(out[-300:], fp8_gemm_invariant(tail, w, torch.bfloat16))
+
