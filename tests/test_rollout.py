@@ -292,7 +292,7 @@ def test_fused_projections_match_separate_linears(tokenizer, strategy):
 
 
 def test_fused_projections_default_by_device(tokenizer):
-    "Fused by default only on a GPU (measured faster there, columns bitwise); on the CPU the engine keeps the separate linears."
+    "Fused by default only for FP8 projections on a GPU (measured faster there); on the CPU the engine keeps the separate linears."
     policy = Policy(make_qwen(tokenizer), tokenizer, "jet")
     engine = RolloutEngine(policy, chat_template=False)
     assert engine.fuse_projections is None and engine.fuses_projections() is False
