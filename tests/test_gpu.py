@@ -324,6 +324,21 @@ def test_default_jet_gap_within_bf16_at_realistic_depth(capsys):
 
 
 @cuda
+def test_default_jet_engine_equals_trainer_bitwise_fused_or_not(capsys):
+    """jet's default engine on a GPU runs FP8 q/k/v and gate/up as one GEMM each: every log-prob still equals the
+    trainer's, and the completions and log-probs equal those of the separate projections."""
+    from jetrl.rollout import SamplingParams
+    params = SamplingParams(n=4, max_new_tokens=128, seed=0, ignore_eos=True)
+    policy = _qwen2_05b_policy("jet", exact=False, layers=8)
+    fused_gap, fused, engine = _gaps(policy, _ragged_prompts(16), params)
+    assert engine.fuses_projections()
+    separate_gap, separate, _ = _gaps(policy, _ragged_prompts(16), params, fuse_projections=False)
+    with capsys.disabled(): print(f"\njet default gap: fused {float(fused_gap.max()):.1e}, separate {float(separate_gap.max()):.1e}")
+    assert float(fused_gap.max()) == 0.0 and float(separate_gap.max()) == 0.0
+    assert torch.equal(fused.completion_ids, separate.completion_ids) and torch.equal(fused.logprobs, separate.logprobs)
+
+
+@cuda
 def test_exact_trainer_micro_batch_of_one_row_equals_64_rows():
     "The trainer's log-probs of a row are the same bits whether it runs alone or with 63 others."
     from jetrl.policy import token_log_probs
