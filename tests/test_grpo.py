@@ -21,6 +21,17 @@ def test_group_advantages_by_hand():
     with pytest.raises(ValueError, match="scale_rewards"): group_advantages(rewards, group, "max")
 
 
+def test_an_all_equal_group_of_summed_rewards_has_zero_advantage():
+    # 1.0 + 0.5 + 0.1 (answer, chain steps, format) eight times: the float mean leaves a 1.2e-7 residue that 'group'
+    # scaling once turned into an advantage of -0.0012 on every row, and the group was not counted as zero-std
+    rewards = torch.tensor([1.0 + 0.5 + 0.1] * 8 + [1.6, 1.6, 1.1, 1.6, 1.6, 1.6, 1.6, 1.6])
+    group = torch.tensor([0] * 8 + [1] * 8)
+    for scaling in ("group", "batch", "none"):
+        adv, stats = group_advantages(rewards, group, scaling)
+        assert (adv[:8] == 0).all() and stats["zero_std_groups"] == 1 and stats["frac_zero_std_groups"] == 0.5
+        assert adv[10] < -0.4 and (adv[8:] != 0).all()            # the mixed group keeps its signal
+
+
 def test_single_sample_groups_and_empty_completions_give_zero_loss():
     adv, stats = group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
     assert torch.equal(adv, torch.zeros(2)) and stats["zero_std_groups"] == 2
