@@ -298,18 +298,22 @@ def _config(**kw) -> TrainConfig:
     G = kw.pop("group_size", 8)
     return TrainConfig(**{"grpo": GRPOConfig(num_generations=G, loss_type="dapo", max_completion_length=kw.get("max_new_tokens", 12)), **kw})
 
-# GRPO steps per run of the GPU preset: SFT + 4 strategies x 2 seeds in one device call of about TARGET_CALL_S (420 s).
-# `--plan` (gpu_call_estimate, from the GPU attempts) says 12 fit at the worked solution's ~501 tokens: SFT 1500 steps
-# 118 s, 9 evals x 3.4 s, 8 runs x (14.9 s + 12 steps), 9.9 s per step of all 8 runs, 30 s start-up reserve.
-GPU_STEPS = 12
+# The GRPO settings every strategy shares, chosen so that bf16 itself learns: a comparison of strategies that all stay
+# flat (or all fall) says nothing about precision. Measured on a CPU with benchmarks/reproduce_lr_probe.py (bf16 GRPO
+# on a 0.46M base SFT'd by train_base_policy at peak lr 3e-3, 4-step chains; held-out 256 prompts x 4, base 0.635; rows
+# in benchmarks/results/reproduce_lr_probe_cpu.jsonl), 30 steps, 2 seeds, mean gain:
+#   16 prompts x 8:  lr 3e-5 +0.011, 1e-4 -0.014 (3e-4 -0.11 and 1e-3 -0.46 at 20 steps: the GPU attempt 2 signature)
+#   64 prompts x 8:  lr 3e-5 +0.015, 1e-4 +0.008
+#   128 prompts x 8: lr 3e-5 +0.020, 1e-4 +0.032 (seeds 0.663, 0.670), 3e-4 +0.007; 1e-4 at 12 steps +0.009
+# The batch is what moves it: one Adam step moves every weight by ~lr whatever its gradient's size, and at 16 prompts
+# GRPO's gradient is mostly noise. Not moving it (16 prompts, lr 1e-4): loss_type 'grpo' -0.011, scale_rewards 'none'
+# -0.013; a less trained base (300 SFT steps, 0.11) fell at every lr. The 22.8M base is more fragile than the 0.46M
+# one (at 16 prompts lr 1e-4 took it 0.59 -> 0.34 in 24 steps, as 3e-4..1e-3 do the small one), so its lr is the
+# CPU optimum scaled by that ~5x: 2e-5 (1/50 of its SFT's peak lr; 1/30 on the CPU). Not measured on a GPU.
+GPU_STEPS = 24
+GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
-# The learning rate every strategy shares. Attempt 2 used 1e-4 (5 warm-up steps): every strategy, bf16 included, lost
-# held-out accuracy (bf16 0.59 -> 0.32 / 0.36), its train accuracy falling after the first updates at 7e-5 (seed 1)
-# or 1e-4 (seed 0) of the warm-up, completion lengths unchanged (~501 tokens). The same signature on a CPU (benchmarks/reproduce_lr_probe.py,
-# bf16 GRPO on a 0.46M SFT'd base, results in benchmarks/results/reproduce_lr_probe_cpu.jsonl): held-out 0.635 ->
-# 0.63 / 0.62 / 0.60 / 0.52 / 0.18 / 0.02 at lr 1e-5 / 3e-5 / 1e-4 / 3e-4 / 1e-3 / 3e-3 (mean of 2 seeds), lengths
-# unchanged; a 10x lower rate is harmless there. 1e-5 is ~7x below where the 22.8M base started to fall.
-GPU_LR = 1e-5
+GPU_LR = 2e-5
 
 PRESETS = {
     "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
@@ -321,8 +325,8 @@ PRESETS = {
     "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~500-token completions",
                   ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet"), (0, 1),
                   _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
-                          steps=GPU_STEPS, prompts_per_step=16, group_size=8, max_new_tokens=640, lr=GPU_LR, record_samples=1,
-                          position_bucket=64, micro_batch_size=32, warmup_steps=5),
+                          steps=GPU_STEPS, prompts_per_step=GPU_PROMPTS, group_size=8, max_new_tokens=640, lr=GPU_LR, record_samples=1,
+                          position_bucket=64, micro_batch_size=128, warmup_steps=5),
                   sft=SFTSpec(steps=GPU_SFT_STEPS)),
 }
 
@@ -667,6 +671,7 @@ GPU_ATTEMPT2 = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt2"
 GPU_MEASURED_SUMMARIES = (REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_summary.jsonl", GPU_ATTEMPT2 / "summary.jsonl")
 GPU_MEASURED_LOG = GPU_ATTEMPT2 / "log.txt"
 GPU_MEASURED_SFT = GPU_ATTEMPT2 / "sft.json"
+GPU_MEASURED_ROWS = 16 * 8     # rows per GRPO step in both attempts (16 prompts x 8): the only batch size measured
 DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
 TARGET_CALL_S = 420            # what the gpu preset is sized for: the lead's device budget per call
 STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement
@@ -707,11 +712,12 @@ def worked_tokens(preset: Preset) -> float:
 
 def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, summaries: tuple[Path, ...] = GPU_MEASURED_SUMMARIES,
                       log_file: Path = GPU_MEASURED_LOG, sft_file: Path = GPU_MEASURED_SFT) -> dict:
-    """Seconds one H200 device call takes for `preset` (SFT, the base eval, every run and its eval), from the GPU
-    attempts' measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked
-    solution's length, which the SFT'd base writes), each run's fixed seconds and the evals' from
-    `measured_call_seconds`, SFT time scaled by steps x rows, plus STARTUP_RESERVE_S. Strategies never measured take
-    the slowest intercept. Also the most GRPO steps that fit in DEVICE_CALL_S and in TARGET_CALL_S."""
+    """Seconds `preset` takes on one H200 (SFT, the base eval, every run and its eval), from the GPU attempts'
+    measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked solution's
+    length, which the SFT'd base writes) times the rows per step over the measured GPU_MEASURED_ROWS (an upper bound),
+    each run's fixed seconds and the evals' from `measured_call_seconds`, SFT time scaled by steps x rows, plus
+    STARTUP_RESERVE_S. Strategies never measured take the slowest intercept. Also how many calls of TARGET_CALL_S it
+    takes with whole runs per call, and the most GRPO steps per run for which everything fits in one call."""
     rows = [json.loads(line) for summary in summaries for line in summary.read_text().splitlines()]
     intercept, slope = step_time_model(rows)
     sft = json.loads(sft_file.read_text())
@@ -721,16 +727,30 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, su
         sft_s = sft_measured_s * preset.sft.steps * preset.sft.batch_size / (sft["steps"] * sft["batch_size"])
     call = measured_call_seconds(log_file, [json.loads(line) for line in summaries[-1].read_text().splitlines()], sft_measured_s)
     tokens = completion_tokens if completion_tokens is not None else worked_tokens(preset)
-    per_step = {s: intercept.get(s, max(intercept.values())) + slope * tokens for s in preset.strategies}
+    # Rows per step beyond the measured 128: every part of the step (decode, trainer passes, optimizer) scaled linearly,
+    # an upper bound (decode of a 22.8M model is launch-bound: the held-out eval, 1024 rows x the same tokens, took
+    # <= eval_s each); never scaled down below the measured batch.
+    rows_factor = max(preset.train.rows_per_step / GPU_MEASURED_ROWS, 1.0)
+    per_step = {s: (intercept.get(s, max(intercept.values())) + slope * tokens) * rows_factor for s in preset.strategies}
     runs = len(preset.seeds)
     all_runs_per_step = runs * sum(per_step.values())
     fixed = (STARTUP_RESERVE_S + sft_s + call["eval_s"] * (1 + runs * len(preset.strategies))
              + call["run_overhead_s"] * runs * len(preset.strategies))
     total = fixed + preset.train.steps * all_runs_per_step
+    # Calls of TARGET_CALL_S that end at run boundaries (--pack leaves an unfinished run out): the first holds the SFT
+    # and the base's eval, each holds STARTUP_RESERVE_S, and whole runs follow in run_all's order (seed by seed).
+    run_s = {s: call["run_overhead_s"] + call["eval_s"] + preset.train.steps * per_step[s] for s in preset.strategies}
+    calls, room = 1, TARGET_CALL_S - STARTUP_RESERVE_S - sft_s - call["eval_s"]
+    for _ in preset.seeds:
+        for s in preset.strategies:
+            if run_s[s] > room: calls, room = calls + 1, TARGET_CALL_S - STARTUP_RESERVE_S
+            room -= run_s[s]
     return {"seconds_per_step": {s: round(v, 2) for s, v in per_step.items()}, "slope_s_per_token": round(slope, 5),
+            "rows_per_step": preset.train.rows_per_step, "rows_factor": round(rows_factor, 2),
             "completion_tokens": round(tokens, 1), "sft_s": round(sft_s, 1), "eval_s_each": round(call["eval_s"], 1),
             "run_overhead_s_each": round(call["run_overhead_s"], 1), "startup_reserve_s": STARTUP_RESERVE_S,
             "total_s": round(total, 1), "device_call_s": DEVICE_CALL_S, "target_call_s": TARGET_CALL_S,
+            "run_s": {s: round(v, 1) for s, v in run_s.items()}, "calls": calls,
             "max_steps_in_one_call": int((DEVICE_CALL_S - fixed) // all_runs_per_step),
             "max_steps_in_target": int((TARGET_CALL_S - fixed) // all_runs_per_step),
             "time_budget_s": TARGET_CALL_S - STARTUP_RESERVE_S,
@@ -757,12 +777,16 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
             f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's folder out).")
         call = info["h200_call"] = gpu_call_estimate(preset)
-        log(f"one H200 call: about {call['total_s']:.0f} s, sized for {call['target_call_s']} s (SFT {call['sft_s']:.0f} s, "
+        scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {GPU_MEASURED_ROWS}: every "
+                  "part of the step scaled linearly, an upper bound") if call["rows_factor"] > 1 else ""
+        log(f"on one H200: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
             f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, "
             f"{len(preset.seeds) * len(preset.strategies)} runs x ({call['run_overhead_s_each']} s + {preset.train.steps} steps), "
-            f"GRPO s/step {call['seconds_per_step']} at {call['completion_tokens']:.0f} completion tokens, "
-            f"{call['startup_reserve_s']} s start-up reserve); at most {call['max_steps_in_target']} GRPO steps per run fit "
-            f"in {call['target_call_s']} s, {call['max_steps_in_one_call']} in {call['device_call_s']} s; measured from {call['source']}")
+            f"GRPO s/step {call['seconds_per_step']} at {call['completion_tokens']:.0f} completion tokens{scaled}; "
+            f"{call['startup_reserve_s']} s start-up reserve per call); {call['calls']} call(s) of {call['target_call_s']} s "
+            f"that end at run boundaries (a run: {call['run_s']} s with its eval); all runs' steps fit one call up to "
+            f"{call['max_steps_in_target']} steps per run ({call['max_steps_in_one_call']} in {call['device_call_s']} s); "
+            f"measured from {call['source']}")
     if not measure_steps: return info
     with tempfile.TemporaryDirectory() as tmp:
         small_train = replace(preset.train, steps=measure_steps, prompts_per_step=4, grpo=replace(preset.train.grpo, num_generations=4),

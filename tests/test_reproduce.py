@@ -96,17 +96,26 @@ def test_step_time_model_and_eval_seconds_recover_known_numbers(tmp_path):
     assert call["run_overhead_s"] == ((35 - 30 * 1.0) + (25 - 10 * 2.0)) / 2 and call["runs"] == 2
 
 
-def test_gpu_preset_fits_one_device_call_even_at_full_length():
-    "SFT + 4 strategies x 2 seeds + 9 evals in about TARGET_CALL_S, and within DEVICE_CALL_S even if every completion ran to max_new_tokens."
+def test_gpu_preset_runs_whole_within_device_calls_even_at_full_length():
+    """4 strategies x 2 seeds at >= 512 tokens and a batch above the measured one: per-step times scale with the rows
+    (an upper bound), each call holds whole runs (the first also the SFT and the base's eval), even at max_new_tokens."""
     preset = R.PRESETS["gpu"]
     assert len(preset.strategies) == 4 and len(preset.seeds) == 2 and preset.train.max_new_tokens >= 512
-    worst = R.gpu_call_estimate(preset, completion_tokens=preset.train.max_new_tokens)
-    assert worst["total_s"] <= R.DEVICE_CALL_S and worst["max_steps_in_one_call"] >= preset.train.steps
+    rows = preset.train.rows_per_step
+    measured = R.gpu_call_estimate(R.replace(preset, train=R.replace(preset.train, prompts_per_step=R.GPU_MEASURED_ROWS // 8)),
+                                   completion_tokens=500)
     typical = R.gpu_call_estimate(preset, completion_tokens=500)
-    assert 0.9 * R.TARGET_CALL_S <= typical["total_s"] <= R.TARGET_CALL_S                  # the call is used, not wasted
-    assert typical["max_steps_in_target"] >= preset.train.steps
-    assert set(typical["seconds_per_step"]) == set(preset.strategies)
+    assert typical["rows_factor"] == rows / R.GPU_MEASURED_ROWS > 1
+    for s in preset.strategies:                                        # linear in rows from the measured 128-row steps
+        assert abs(typical["seconds_per_step"][s] - measured["seconds_per_step"][s] * rows / R.GPU_MEASURED_ROWS) < 0.05
     assert abs(typical["sft_s"] - 157.9 * preset.sft.steps / 2000) < 0.1                   # attempt 2's SFT: 2000 x 32 rows in 157.9 s
+    worst = R.gpu_call_estimate(preset, completion_tokens=preset.train.max_new_tokens)
+    first_call = R.STARTUP_RESERVE_S + worst["sft_s"] + worst["eval_s_each"] + worst["run_s"][preset.strategies[0]]
+    assert first_call <= R.DEVICE_CALL_S and max(worst["run_s"].values()) + R.STARTUP_RESERVE_S <= R.TARGET_CALL_S
+    runs_s = len(preset.seeds) * sum(typical["run_s"].values())
+    assert abs(typical["total_s"] - (R.STARTUP_RESERVE_S + typical["sft_s"] + typical["eval_s_each"] + runs_s)) < 0.5
+    assert typical["total_s"] <= typical["calls"] * R.TARGET_CALL_S <= typical["total_s"] + len(preset.seeds) * len(preset.strategies) * R.TARGET_CALL_S
+    assert measured["calls"] <= typical["calls"] <= worst["calls"]
 
 
 def test_a_smoke_reproduction_runs_every_strategy_alike_and_reports(tmp_path):
