@@ -304,13 +304,14 @@ def _config(**kw) -> TrainConfig:
 # in benchmarks/results/reproduce_lr_probe_cpu.jsonl), 30 steps, 2 seeds, mean gain:
 #   16 prompts x 8:  lr 3e-5 +0.011, 1e-4 -0.014 (3e-4 -0.11 and 1e-3 -0.46 at 20 steps: the GPU attempt 2 signature)
 #   64 prompts x 8:  lr 3e-5 +0.015, 1e-4 +0.008
-#   128 prompts x 8: lr 3e-5 +0.020, 1e-4 +0.032 (seeds 0.663, 0.670), 3e-4 +0.007; 1e-4 at 12 steps +0.009
+#   128 prompts x 8: lr 3e-5 +0.020, 1e-4 +0.032 (seeds 0.663, 0.670), 3e-4 +0.007; 1e-4 at 12 / 24 steps +0.009 / +0.017
 # The batch is what moves it: one Adam step moves every weight by ~lr whatever its gradient's size, and at 16 prompts
 # GRPO's gradient is mostly noise. Not moving it (16 prompts, lr 1e-4): loss_type 'grpo' -0.011, scale_rewards 'none'
 # -0.013; a less trained base (300 SFT steps, 0.11) fell at every lr. The 22.8M base is more fragile than the 0.46M
 # one (at 16 prompts lr 1e-4 took it 0.59 -> 0.34 in 24 steps, as 3e-4..1e-3 do the small one), so its lr is the
-# CPU optimum scaled by that ~5x: 2e-5 (1/50 of its SFT's peak lr; 1/30 on the CPU). Not measured on a GPU.
-GPU_STEPS = 24
+# CPU optimum scaled by that ~5x: 2e-5 (1/50 of its SFT's peak lr; 1/30 on the CPU). 30 steps: the gain at 24 was
+# within 1.3x the seed spread. Not measured on a GPU.
+GPU_STEPS = 30
 GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
 GPU_LR = 2e-5
