@@ -303,7 +303,7 @@ def _config(**kw) -> TrainConfig:
 # on a 0.46M base SFT'd by train_base_policy at peak lr 3e-3, 4-step chains; held-out 256 prompts x 4, base 0.635; rows
 # in benchmarks/results/reproduce_lr_probe_cpu.jsonl), 30 steps, 2 seeds, mean gain:
 #   16 prompts x 8:  lr 3e-5 +0.011, 1e-4 -0.014 (3e-4 -0.11 and 1e-3 -0.46 at 20 steps: the GPU attempt 2 signature)
-#   64 prompts x 8:  lr 3e-5 +0.015, 1e-4 +0.008
+#   64 prompts x 8:  lr 3e-5 +0.015, 1e-4 +0.007
 #   128 prompts x 8: lr 3e-5 +0.020, 1e-4 +0.032 (seeds 0.663, 0.670), 3e-4 +0.007; 1e-4 at 12 / 24 steps +0.009 / +0.017
 # The batch is what moves it: one Adam step moves every weight by ~lr whatever its gradient's size, and at 16 prompts
 # GRPO's gradient is mostly noise. Not moving it (16 prompts, lr 1e-4): loss_type 'grpo' -0.011, scale_rewards 'none'
