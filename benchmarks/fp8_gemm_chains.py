@@ -30,6 +30,9 @@ import triton.language as tl
 from jetrl.fp8 import quantize, KERNEL_BLOCK
 from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, fp8_gemm_tiles
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from fp8_gemm_trainer import tile_of                               # jetrl's grouped tile order, as a Triton function
+
 G = KERNEL_BLOCK
 
 
@@ -51,11 +54,7 @@ def chain_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, stride_
                stride_w_scale, stride_out, CHAINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                G: tl.constexpr, GROUP_M: tl.constexpr):
     # the trainer's form: every chain of one tile in one program (CHAINS in 1, 2, 4)
-    pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
-    tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    tile_m, tile_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -191,5 +190,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
     main()

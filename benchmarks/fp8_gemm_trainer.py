@@ -33,26 +33,6 @@ G = KERNEL_BLOCK
 
 
 @triton.jit
-def scaled_block(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb, stride_a_scale, stride_w_scale,
-                 G: tl.constexpr):
-    # one block's FP8 product from zero, rescaled exactly as jetrl's kernel does: dot * (a_scale * w_scale)
-    a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
-    w_scale = tl.load(w_scale_ptr + (cols // G) * stride_w_scale + kb, mask=col_ok, other=0.0)
-    return tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
-
-
-@triton.jit
-def scaled_block_scalar_w(a, w, a_scale_ptr, w_scale_ptr, rows, tile_n, row_ok, kb, stride_a_scale, stride_w_scale,
-                          BLOCK_N: tl.constexpr, G: tl.constexpr):
-    # the same rescale with the weight block's scale loaded once per tile: a tile of BLOCK_N <= 128 columns (dividing
-    # 128) lies inside one 128-wide weight block, so its columns share one scale; a_scale * w_scale is then BLOCK_M
-    # products instead of BLOCK_M x BLOCK_N, each the same fp32 product as before
-    a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
-    w_scale = tl.load(w_scale_ptr + ((tile_n * BLOCK_N) // G) * stride_w_scale + kb)
-    return tl.dot(a, tl.trans(w)) * (a_scale * w_scale)[:, None]
-
-
-@triton.jit
 def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # jetrl's grouped tile order
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -62,78 +42,67 @@ def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
-def pointer_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, stride_a, stride_a_scale, stride_w,
-                 stride_w_scale, stride_out, PAIRS: tl.constexpr, WS: tl.constexpr, STAGES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, GROUP_M: tl.constexpr):
-    tile_m, tile_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    depth = tl.arange(0, G)
-    row_ok, col_ok = rows < M, cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    blocks = tl.cdiv(K, G)
-    if PAIRS:
-        for pair in tl.range(0, blocks // 2, num_stages=STAGES):
-            kb = 2 * pair
-            k0, k1 = kb * G + depth, (kb + 1) * G + depth
-            a0 = tl.load(a_ptr + rows[:, None] * stride_a + k0[None, :], mask=row_ok[:, None] & (k0 < K)[None, :], other=0.0)
-            w0 = tl.load(w_ptr + cols[:, None] * stride_w + k0[None, :], mask=col_ok[:, None] & (k0 < K)[None, :], other=0.0)
-            a1 = tl.load(a_ptr + rows[:, None] * stride_a + k1[None, :], mask=row_ok[:, None] & (k1 < K)[None, :], other=0.0)
-            w1 = tl.load(w_ptr + cols[:, None] * stride_w + k1[None, :], mask=col_ok[:, None] & (k1 < K)[None, :], other=0.0)
-            p0 = scaled_block(a0, w0, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb, stride_a_scale,
-                              stride_w_scale, G)
-            p1 = scaled_block(a1, w1, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb + 1, stride_a_scale,
-                              stride_w_scale, G)
-            acc += p0
-            acc += p1
-        start = 2 * (blocks // 2)
+def load_block(a_src, w_src, rows, cols, row_ok, col_ok, tile_m, tile_n, kb, K, stride_a, stride_w, TMA: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    # the FP8 tiles of K block kb: through tensor descriptors (TMA; zeros past the edges) or by masked pointer loads
+    if TMA:
+        a = a_src.load([tile_m * BLOCK_M, kb * G])
+        w = w_src.load([tile_n * BLOCK_N, kb * G])
     else:
-        start = 0
-    for kb in tl.range(start, blocks, num_stages=STAGES, warp_specialize=WS):
-        k = kb * G + depth
-        a = tl.load(a_ptr + rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
-        acc += scaled_block(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb, stride_a_scale,
-                            stride_w_scale, G)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        k = kb * G + tl.arange(0, G)
+        a = tl.load(a_src + rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = tl.load(w_src + cols[:, None] * stride_w + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+    return a, w
 
 
 @triton.jit
-def tma_gemm(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, M, N, K, stride_a_scale, stride_w_scale, stride_out,
-             PAIRS: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-             GROUP_M: tl.constexpr, WSCALAR: tl.constexpr = False):
+def rescaled_product(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, tile_n, kb, stride_a_scale,
+                     stride_w_scale, WSCALAR: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    # one block's FP8 product from zero, rescaled exactly as jetrl's kernel does: dot * (a_scale * w_scale).
+    # WSCALAR: the weight block's scale loaded once per tile (a tile of BLOCK_N <= 128 columns, dividing 128, lies in
+    # one 128-wide weight block): BLOCK_M scale products instead of BLOCK_M x BLOCK_N, each the same fp32 product
+    a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
+    if WSCALAR:
+        w_scale = tl.load(w_scale_ptr + ((tile_n * BLOCK_N) // G) * stride_w_scale + kb)
+        product = tl.dot(a, tl.trans(w)) * (a_scale * w_scale)[:, None]
+    else:
+        w_scale = tl.load(w_scale_ptr + (cols // G) * stride_w_scale + kb, mask=col_ok, other=0.0)
+        product = tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+    return product
+
+
+@triton.jit
+def candidate_gemm(a_src, a_scale_ptr, w_src, w_scale_ptr, out_ptr, M, N, K, stride_a, stride_a_scale, stride_w,
+                   stride_w_scale, stride_out, TMA: tl.constexpr, PAIRS: tl.constexpr, WS: tl.constexpr,
+                   WSCALAR: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   G: tl.constexpr, GROUP_M: tl.constexpr):
+    # every schedule of the benchmark: the K blocks in order into one fp32 accumulator, as jetrl's kernel sums them
     tile_m, tile_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     blocks = tl.cdiv(K, G)
-    if PAIRS:
+    start = 0
+    if PAIRS:                        # two products issued before either is added; the same two additions as before
         for pair in tl.range(0, blocks // 2, num_stages=STAGES):
             kb = 2 * pair
-            a0 = a_desc.load([tile_m * BLOCK_M, kb * G])
-            w0 = w_desc.load([tile_n * BLOCK_N, kb * G])
-            a1 = a_desc.load([tile_m * BLOCK_M, (kb + 1) * G])
-            w1 = w_desc.load([tile_n * BLOCK_N, (kb + 1) * G])
-            p0 = scaled_block(a0, w0, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb, stride_a_scale,
-                              stride_w_scale, G)
-            p1 = scaled_block(a1, w1, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb + 1, stride_a_scale,
-                              stride_w_scale, G)
+            a0, w0 = load_block(a_src, w_src, rows, cols, row_ok, col_ok, tile_m, tile_n, kb, K, stride_a, stride_w,
+                                TMA, BLOCK_M, BLOCK_N, G)
+            a1, w1 = load_block(a_src, w_src, rows, cols, row_ok, col_ok, tile_m, tile_n, kb + 1, K, stride_a, stride_w,
+                                TMA, BLOCK_M, BLOCK_N, G)
+            p0 = rescaled_product(a0, w0, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, tile_n, kb,
+                                  stride_a_scale, stride_w_scale, WSCALAR, BLOCK_N, G)
+            p1 = rescaled_product(a1, w1, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, tile_n, kb + 1,
+                                  stride_a_scale, stride_w_scale, WSCALAR, BLOCK_N, G)
             acc += p0
             acc += p1
         start = 2 * (blocks // 2)
-    else:
-        start = 0
-    for kb in tl.range(start, blocks, num_stages=STAGES):
-        a = a_desc.load([tile_m * BLOCK_M, kb * G])
-        w = w_desc.load([tile_n * BLOCK_N, kb * G])
-        if WSCALAR:
-            acc += scaled_block_scalar_w(a, w, a_scale_ptr, w_scale_ptr, rows, tile_n, row_ok, kb, stride_a_scale,
-                                         stride_w_scale, BLOCK_N, G)
-        else:
-            acc += scaled_block(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, kb, stride_a_scale,
-                                stride_w_scale, G)
+    for kb in tl.range(start, blocks, num_stages=STAGES, warp_specialize=WS):
+        a, w = load_block(a_src, w_src, rows, cols, row_ok, col_ok, tile_m, tile_n, kb, K, stride_a, stride_w, TMA,
+                          BLOCK_M, BLOCK_N, G)
+        acc += rescaled_product(a, w, a_scale_ptr, w_scale_ptr, rows, cols, row_ok, col_ok, tile_n, kb, stride_a_scale,
+                                stride_w_scale, WSCALAR, BLOCK_N, G)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -141,20 +110,16 @@ def tma_gemm(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, M, N, K, stride_
 def run_variant(variant: str, x_fp8, w_data, w_scale, out, tiles):
     (M, K), N = x_fp8.data.shape, w_data.shape[0]
     block_m, block_n, warps, stages, group_m = tiles
-    grid = (math.ceil(M / block_m) * math.ceil(N / block_n),)
-    pairs = "pairs" in variant
-    if variant.startswith("tma"):
+    tma = variant.startswith("tma")
+    a_src, w_src = x_fp8.data, w_data
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        a_desc = TensorDescriptor.from_tensor(x_fp8.data, [block_m, G])
-        w_desc = TensorDescriptor.from_tensor(w_data, [block_n, G])
-        tma_gemm[grid](a_desc, x_fp8.scale, w_desc, w_scale, out, M, N, K, x_fp8.scale.stride(0), w_scale.stride(0),
-                       out.stride(0), PAIRS=pairs, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, G=G,
-                       GROUP_M=group_m, WSCALAR="wscalar" in variant, num_warps=warps)
-    else:
-        pointer_gemm[grid](x_fp8.data, x_fp8.scale, w_data, w_scale, out, M, N, K, x_fp8.data.stride(0),
-                           x_fp8.scale.stride(0), w_data.stride(0), w_scale.stride(0), out.stride(0), PAIRS=pairs,
-                           WS=variant == "ws", STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, G=G,
-                           GROUP_M=group_m, num_warps=warps)
+        a_src, w_src = TensorDescriptor.from_tensor(a_src, [block_m, G]), TensorDescriptor.from_tensor(w_src, [block_n, G])
+    candidate_gemm[(math.ceil(M / block_m) * math.ceil(N / block_n),)](
+        a_src, x_fp8.scale, w_src, w_scale, out, M, N, K, x_fp8.data.stride(0), x_fp8.scale.stride(0), w_data.stride(0),
+        w_scale.stride(0), out.stride(0), TMA=tma, PAIRS="pairs" in variant, WS=variant == "ws",
+        WSCALAR="wscalar" in variant, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, G=G, GROUP_M=group_m,
+        num_warps=warps)
     return out
 
 
