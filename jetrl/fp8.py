@@ -192,7 +192,7 @@ def eager_custom_op(name: str, **kwargs):
             if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
                 return op(*args, **kw)
             return fn(*args, **kw)
-        call.op, call.register_fake = op, op.register_fake
+        call.register_fake = op.register_fake
         return call
     return wrap
 

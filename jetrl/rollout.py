@@ -291,6 +291,10 @@ class _SiLUMul(torch.autograd.Function):
 
 
 # %% ../nbs/05_rollout.ipynb #79b9e09b
+def _quantizes(linear: nn.Module) -> bool:
+    "Whether a linear runs an FP8 GEMM (an FP8Linear / FP8InferenceLinear whose recipe quantizes)."
+    return getattr(getattr(linear, "recipe", None), "quantizes", False)
+
 class FusedProjection:
     """Sibling linears that read the same input (q/k/v; gate/up), run as ONE GEMM over their weights side by side:
     one activation quantization and one launch instead of three (or two). The rollout engine's decode and prefill
@@ -322,7 +326,7 @@ class FusedProjection:
         return None if len({m.weight.dtype for m in linears}) == 1 else "their weights have different dtypes"
 
     @property
-    def fp8(self) -> bool: return getattr(self.linears[0], "recipe", None) is not None and self.linears[0].recipe.quantizes
+    def fp8(self) -> bool: return _quantizes(self.linears[0])
 
     def refresh(self) -> bool:
         "Copy the members' current weights (the FP8 caches, already synced) side by side; True if the buffers were (re)made."
@@ -575,8 +579,7 @@ class RolloutEngine:
         if self.fuse_projections is not None: return self.fuse_projections
         if next(self.model.parameters()).device.type != "cuda": return False
         layers = getattr(getattr(self.model, "model", None), "layers", None)
-        q_proj = getattr(getattr(layers[0], "self_attn", None), "q_proj", None) if layers else None
-        return getattr(getattr(q_proj, "recipe", None), "quantizes", False)
+        return bool(layers) and _quantizes(getattr(getattr(layers[0], "self_attn", None), "q_proj", None))
 
     def max_context(self) -> int:
         return getattr(self.model.config, "max_position_embeddings", None) or 2**31
