@@ -17,7 +17,9 @@ The candidates change only the schedule, never an operation or its order, so no 
 - `tma+wscalar`: TMA loads, and the weight block's scale read once per tile (a tile of <= 128 columns lies in one
   128-wide weight block): BLOCK_M scale products per block instead of BLOCK_M x BLOCK_N, each the same fp32 product.
   Same bits only if the compiler contracts the rescale and the add the same way: the check says.
-`--next` times only the TMA forms at tiles around session 5's winner (128 x 64, one warp group).
+`--next` times only the TMA forms at tiles around session 5's winner (128 x 64, one warp group). Its session-6 run
+(`benchmarks/results/fp8_gemm_trainer_h200.jsonl`, the rows with `--next`) made `tma+wscalar` in 64 x 128 tiles jetrl's
+trainer GEMM (`ONE_WEIGHT_BLOCK` in jetrl.kernels): 1.14-1.26x the 128 x 64 TMA kernel at 7B, bit for bit the same.
 Each is checked bit for bit against `jetrl.kernels.fp8_gemm_invariant` at every shape before it is timed (CUDA graphs).
 """
 import argparse, json, math, sys

@@ -67,12 +67,16 @@ def _kernels():
     @triton.jit
     def fp8_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_a, stride_a_scale, stride_w,
                  stride_w_scale, stride_out, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 G: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, WIDE: tl.constexpr):
+                 G: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, WIDE: tl.constexpr,
+                 ONE_WEIGHT_BLOCK: tl.constexpr):
         # out = a @ w.T (+ bias): the K blocks of 128 in order, each block's FP8 product rescaled by its two scales and
         # added to an fp32 accumulator (DeepSeek-V3's promotion). One order for every row, whatever the tile.
         # Tiles are visited GROUP_M row tiles at a time across the columns, so a weight strip is reused from L2.
         # TMA: a_ptr and w_ptr are tensor descriptors, the FP8 tiles loaded by Hopper's tensor-memory accelerator
         # (elements past the edges read as zero, as the masked loads give): the same values, so the same bits.
+        # ONE_WEIGHT_BLOCK: the tile's BLOCK_N columns lie in one 128-wide weight block, so a K block has one weight
+        # scale for the whole tile: read once, multiplied into the BLOCK_M row scales (the same fp32 products as the
+        # BLOCK_M x BLOCK_N grid of them, so the same bits), and the rescale is one multiply per row, not per element.
         pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
         group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
@@ -90,8 +94,12 @@ def _kernels():
                 a = a_ptr.load([tile_m * BLOCK_M, kb * G])
                 w = w_ptr.load([tile_n * BLOCK_N, kb * G])
                 a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
-                w_scale = tl.load(w_scale_ptr + (cols // G) * stride_w_scale + kb, mask=col_ok, other=0.0)
-                acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+                if ONE_WEIGHT_BLOCK:
+                    w_scale = tl.load(w_scale_ptr + ((tile_n * BLOCK_N) // G) * stride_w_scale + kb)
+                    acc += tl.dot(a, tl.trans(w)) * (a_scale * w_scale)[:, None]
+                else:
+                    w_scale = tl.load(w_scale_ptr + (cols // G) * stride_w_scale + kb, mask=col_ok, other=0.0)
+                    acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
         else:
             for kb in range(0, tl.cdiv(K, G)):
                 k = kb * G + depth
@@ -240,14 +248,16 @@ def fp8_gemm_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages, GROUP_M) of the FP8 GEMM for (M, K) x (N, K): the fastest measured on an H200
     (`benchmarks/fp8_gemm_tiles.py`, `benchmarks/fp8_gemm_trainer.py`). No choice changes a bit (BLOCK_M >= 64).
     Decode (at most `DECODE_MAX_ROWS` rows) puts all rows in one tile and the columns in narrow strips, so that many
-    SMs stream the weight once; many rows (prefill, the trainer) get tiles of 128 x 64 with one warp group, visited in
-    groups: small enough that two tiles share an SM, one rescaling a block while the other multiplies."""
+    SMs stream the weight once; many rows (prefill, the trainer) get tiles of 64 x 128 with one warp group, visited in
+    groups: the tile's 128 columns are one weight block, so each K block's rescale is one multiply per row (measured
+    1.14-1.26x the 128 x 64 tiles' per-element rescale at the 7B trainer shapes, 1.21-1.59x at 0.5B:
+    `benchmarks/fp8_gemm_trainer.py --next`)."""
     if M <= DECODE_MAX_ROWS:
         block_m = min(DECODE_MAX_ROWS, max(TILE_ROWS, next_power_of_2(M)))
         block_n = 32 if N <= 4608 and (K <= 8192 or block_m == TILE_ROWS) else 64
         warps = 8 if block_m > TILE_ROWS or block_n == 32 else 4
         return block_m, block_n, warps, 5 if K > 8192 else 3, 1
-    return 128, 64, 4, 4, 8
+    return 64, 128, 4, 4, 8
 
 TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride must be multiples of this
 
@@ -274,7 +284,8 @@ def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[in
                     tma: bool | None = None):
     """Run the FP8 GEMM into `out` (M, N) with the given `fp8_gemm_tiles` (benchmarks try others; the bits stay).
     `tma`: load the FP8 tiles through tensor descriptors (None: for more than `DECODE_MAX_ROWS` rows where possible;
-    measured 1.07-1.28x faster there than pointer loads, `benchmarks/fp8_gemm_trainer.py`). Either way, the same bits."""
+    measured 1.07-1.28x faster there than pointer loads, `benchmarks/fp8_gemm_trainer.py`). Either way, the same bits.
+    With TMA, a tile no wider than a weight block reads one weight scale per K block (`ONE_WEIGHT_BLOCK`)."""
     (M, K), N = a_data.shape, w_data.shape[0]
     block_m, block_n, warps, stages, group_m = tiles
     if tma is None: tma = M > DECODE_MAX_ROWS and tma_loads_possible(a_data, w_data)
@@ -287,7 +298,8 @@ def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[in
         a_arg, a_scale, w_arg, w_scale, bias if bias is not None else out, out, M, N, K, a_data.stride(0),
         a_scale.stride(0), w_data.stride(0), w_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, G=KERNEL_BLOCK, GROUP_M=group_m, TMA=tma, STAGES=stages,
-        WIDE=needs_64bit_offsets(a_data, w_data, out), num_warps=warps, num_stages=stages)
+        WIDE=needs_64bit_offsets(a_data, w_data, out), ONE_WEIGHT_BLOCK=tma and KERNEL_BLOCK % block_n == 0,
+        num_warps=warps, num_stages=stages)
     return out
 
 @eager_custom_op("jetrl::fp8_gemm_invariant", mutates_args=())
