@@ -7,9 +7,9 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT', 'TMA_ALIGN',
            'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
-           'fp8_gemm_tiles', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant',
-           'next_power_of_2', 'attention_invariant', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear',
-           'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
+           'rms_norm_invariant', 'next_power_of_2', 'attention_invariant', 'InvariantRMSNorm', 'linear_invariant',
+           'InvariantLinear', 'causal_key_mask', 'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 import functools, importlib.util, math, os
@@ -254,10 +254,20 @@ def fp8_gemm_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     `benchmarks/fp8_gemm_trainer.py --next`)."""
     if M <= DECODE_MAX_ROWS:
         block_m = min(DECODE_MAX_ROWS, max(TILE_ROWS, next_power_of_2(M)))
+        stages = 5 if K > 8192 else 3
+        if block_m == 2 * TILE_ROWS:          # 65-128 rows, loaded through TMA (`loads_through_tma`) by one warp group
+            return block_m, 64 if N > 4096 and K <= 8192 else 32, 4, stages, 1
         block_n = 32 if N <= 4608 and (K <= 8192 or block_m == TILE_ROWS) else 64
         warps = 8 if block_m > TILE_ROWS or block_n == 32 else 4
-        return block_m, block_n, warps, 5 if K > 8192 else 3, 1
+        return block_m, block_n, warps, stages, 1
     return 64, 128, 4, 4, 8
+
+def loads_through_tma(M: int, tiles: tuple[int, int, int, int, int]) -> bool:
+    """Whether the FP8 GEMM's default launch loads its tiles through tensor descriptors (where `tma_loads_possible`):
+    the trainer's many-row tiles and the 128-row decode tile, where TMA was measured faster (`fp8_gemm_trainer.py`;
+    `fp8_gemm_tiles.py`: 7B shapes at 128 rows 1.04-1.62x the pointer-loaded tiles of before). 64-row tiles read as fast
+    by pointers, 256-row decode tiles were not measured with TMA: both keep pointer loads. The bits are the same."""
+    return M > DECODE_MAX_ROWS or tiles[0] == 2 * TILE_ROWS
 
 TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride must be multiples of this
 
@@ -283,12 +293,12 @@ def tma_loads_possible(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
 def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[int, int, int, int, int],
                     tma: bool | None = None):
     """Run the FP8 GEMM into `out` (M, N) with the given `fp8_gemm_tiles` (benchmarks try others; the bits stay).
-    `tma`: load the FP8 tiles through tensor descriptors (None: for more than `DECODE_MAX_ROWS` rows where possible;
-    measured 1.07-1.28x faster there than pointer loads, `benchmarks/fp8_gemm_trainer.py`). Either way, the same bits.
+    `tma`: load the FP8 tiles through tensor descriptors (None: where `loads_through_tma` and `tma_loads_possible`;
+    measured 1.07-1.28x faster than pointer loads for the trainer, `benchmarks/fp8_gemm_trainer.py`). The same bits.
     With TMA, a tile no wider than a weight block reads one weight scale per K block (`ONE_WEIGHT_BLOCK`)."""
     (M, K), N = a_data.shape, w_data.shape[0]
     block_m, block_n, warps, stages, group_m = tiles
-    if tma is None: tma = M > DECODE_MAX_ROWS and tma_loads_possible(a_data, w_data)
+    if tma is None: tma = loads_through_tma(M, tiles) and tma_loads_possible(a_data, w_data)
     a_arg, w_arg = a_data, w_data
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

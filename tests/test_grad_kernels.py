@@ -257,3 +257,26 @@ def test_bad_inputs_fail_before_any_work():
     with pytest.raises(ValueError, match="1x128 groups"): requantize_for_wgrad(quantize_unchecked(x32, (1, 64)))
     with pytest.raises(ValueError, match="backward's dtype"): requantize_for_wgrad(quantize_unchecked(x32, (1, G)), torch.float64)
     assert torch.float64 not in HP_DTYPES
+
+
+@needs_kernels
+def test_fp8_gemm_default_launch_gives_a_row_the_same_bits_at_every_row_count():
+    """The forward's FP8 GEMM (jetrl.kernels) at the row counts where its launch changes: the 64-row decode tile (pointer
+    loads), the 128-row decode tile (TMA, one warp group), the 256-row tile (pointer loads) and the trainer's 64 x 128
+    TMA tiles reading one weight scale per K block; every row must keep the bits it has among 300 rows. Ragged K and N
+    (3 K blocks, the last partial; 200 columns: the last weight block partial)."""
+    from jetrl.fp8 import quantize, kernel_weight_scale
+    from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, fp8_gemm_tiles, loads_through_tma, DECODE_MAX_ROWS
+    M, K, N = DECODE_MAX_ROWS + 44, 2 * G + 16, 200
+    g = torch.Generator().manual_seed(0)
+    x = quantize_1x128(torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16))
+    w = quantize((torch.randn(N, K, generator=g) / K ** 0.5).to(DEVICE), (G, G))
+    full = fp8_gemm_invariant(x, w, torch.bfloat16, kernel_weight_scale(w))
+    assert loads_through_tma(M, fp8_gemm_tiles(M, N, K)) and fp8_gemm_tiles(M, N, K)[1] == G
+    launches = set()
+    for rows in (1, 64, 65, 128, 129, DECODE_MAX_ROWS):
+        tiles = fp8_gemm_tiles(rows, N, K)
+        launches.add((tiles[0], loads_through_tma(rows, tiles)))
+        part = FP8Tensor(x.data[:rows], x.scale[:rows], x.block, x.fmt)
+        assert torch.equal(fp8_gemm_invariant(part, w, torch.bfloat16), full[:rows]), f"{rows} rows ({tiles}): other bits"
+    assert launches == {(64, False), (128, True), (256, False)}                 # every decode launch was exercised
