@@ -135,6 +135,17 @@ def _remember_input_fp8(x: torch.Tensor, recipe: FP8Recipe, x_fp8: FP8Tensor):
     _last_input = (weakref.ref(x), x._version, _input_quantizer(recipe), weakref.ref(x_fp8.data), weakref.ref(x_fp8.scale),
                    x_fp8.block, x_fp8.fmt)
 
+def _dgrad_weight(w_fp8: FP8Tensor) -> FP8Tensor:
+    """`w_fp8` (N, K) with its bytes stored transposed, as Dgrad's FP8 GEMM reads them: Hopper's FP8 tensor cores take
+    both operands K-major, and dx = dy @ W sums along W's rows, so the kernel needs W.T's bytes contiguous. Made once per
+    weight update, not once per micro-batch: cached on the FP8 bytes with their version, which an update bumps (the sync
+    writes the new bytes in place). The same values in another layout, so the same dx."""
+    cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
+    if cached is None or cached[0] != w_fp8.data._version:
+        cached = (w_fp8.data._version, w_fp8.data.t().contiguous())
+        w_fp8.data._jetrl_dgrad_bytes = cached
+    return w_fp8._replace(data=cached[1].t())
+
 class FP8LinearFunction(torch.autograd.Function):
     "y = x @ W.T + b with Fprop, Dgrad and Wgrad quantized per an FP8Recipe; x is saved in FP8."
 
@@ -178,7 +189,9 @@ class FP8LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if fp8_dgrad:
-                w_fp8 = ctx.w_fp8 if ctx.w_fp8 is not None else _quantize(hp_weight, recipe, "w", "dgrad", True)
+                if ctx.w_fp8 is None: w_fp8 = _quantize(hp_weight, recipe, "w", "dgrad", True)   # stored transposed
+                elif has_fp8_kernel(dy.device, "blockwise_1x128_128x128"): w_fp8 = _dgrad_weight(ctx.w_fp8)
+                else: w_fp8 = ctx.w_fp8                             # emulation: any layout
                 if dy_dgrad is None: dy_dgrad = _quantize(dy2d, recipe, "dy", "dgrad")
                 dx = fp8_mm(dy_dgrad, w_fp8, out_dtype=dy.dtype)
             else:

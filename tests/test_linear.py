@@ -237,6 +237,42 @@ def test_blockwise_weight_is_shared_by_fprop_and_dgrad(monkeypatch):
     assert same_fp8(spy.operands("fprop")[1].t(), spy.operands("dgrad")[1])
 
 
+def test_dgrad_reads_one_transposed_fp8_weight_per_update(monkeypatch):
+    """Where the real FP8 GEMM runs (faked here: the kernel's layout rules, an fp32 product), Dgrad needs the weight's
+    bytes transposed. They are made once per weight update and reused by every micro-batch: two backward passes make
+    one transposed copy, an in-place sync (new bytes) makes the next. dx is the same as with a fresh copy each time."""
+    import jetrl.fp8
+    monkeypatch.setattr(jetrl.linear, "has_fp8_kernel", lambda device, layout: layout is not None)
+    monkeypatch.setattr(jetrl.fp8, "has_fp8_kernel", lambda device, layout: layout is not None)
+    monkeypatch.setattr(jetrl.linear, "_runs_invariant_fprop", lambda *args: False)
+    def kernel_standin(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.float32, **kw):
+        assert a.stride(1) == 1 and b.stride(0) == 1, "the FP8 GEMM takes both operands K-major"
+        return (a.float() @ b.float()).to(output_dtype)
+    monkeypatch.setattr(F, "scaled_mm", kernel_standin)
+    transposes = []
+    real = jetrl.linear._dgrad_weight
+    def counting(w_fp8):
+        before = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
+        out = real(w_fp8)
+        if getattr(w_fp8.data, "_jetrl_dgrad_bytes", None) is not before: transposes.append(out.data.data_ptr())
+        return out
+    monkeypatch.setattr(jetrl.linear, "_dgrad_weight", counting)
+    torch.manual_seed(0)
+    layer = FP8Linear(256, 384, bias=False, recipe="blockwise")
+    x = torch.randn(2, 128, 256, requires_grad=True)
+    def dx():
+        x.grad = None
+        layer(x).square().sum().backward()
+        return x.grad.clone()
+    first, second = dx(), dx()
+    assert len(transposes) == 1 and torch.equal(first, second)
+    with torch.no_grad(): layer.weight.add_(0.1 * torch.randn_like(layer.weight))   # an update: the next forward syncs in place
+    third = dx()
+    assert len(transposes) == 2 and not torch.equal(third, first)
+    monkeypatch.setattr(jetrl.linear, "_dgrad_weight", lambda w: w._replace(data=w.data.t().contiguous().t()))
+    assert torch.equal(dx(), third)                                    # a fresh transpose each time: the same dx
+
+
 # ---- saved activations -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, K, scale_bytes_per_row", [("blockwise", 512, 4 * 4), ("blockwise", 200, 2 * 4),
