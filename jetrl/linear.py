@@ -280,6 +280,7 @@ class FP8Linear(nn.Linear):
         kernel_scale = kernel_weight_scale(fresh)
         if previous is not None and _same_layout(previous[2], fresh):
             previous[2].data.copy_(fresh.data); previous[2].scale.copy_(fresh.scale); fresh = previous[2]
+            fresh.data._jetrl_dgrad_bytes = None      # Dgrad's transposed copy is stale: freed now, remade by the next backward
             if kernel_scale is not None: previous[3].copy_(kernel_scale); kernel_scale = previous[3]
         self._synced = (self.weight._version, self.recipe, fresh, kernel_scale)
         return fresh

@@ -266,7 +266,9 @@ def test_dgrad_reads_one_transposed_fp8_weight_per_update(monkeypatch):
         return x.grad.clone()
     first, second = dx(), dx()
     assert len(transposes) == 1 and torch.equal(first, second)
-    with torch.no_grad(): layer.weight.add_(0.1 * torch.randn_like(layer.weight))   # an update: the next forward syncs in place
+    with torch.no_grad(): layer.weight.add_(0.1 * torch.randn_like(layer.weight))   # an update
+    layer.sync_fp8_weight()                                            # the rollout's sync: new bytes, in place
+    assert layer._synced[2].data._jetrl_dgrad_bytes is None            # the stale transposed copy is freed at once
     third = dx()
     assert len(transposes) == 2 and not torch.equal(third, first)
     monkeypatch.setattr(jetrl.linear, "_dgrad_weight", lambda w: w._replace(data=w.data.t().contiguous().t()))
