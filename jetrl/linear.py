@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
-                       KERNEL_BLOCK, has_fp8_kernel)
+                       KERNEL_BLOCK, has_fp8_kernel, kernel_layout)
 from .kernels import quantize_1x128, fp8_gemm_invariant, invariant_kernels_available, linear_invariant
 from .grad_kernels import HP_DTYPES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers_active
 
@@ -189,10 +189,10 @@ class FP8LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if fp8_dgrad:
-                if ctx.w_fp8 is None: w_fp8 = _quantize(hp_weight, recipe, "w", "dgrad", True)   # stored transposed
-                elif has_fp8_kernel(dy.device, "blockwise_1x128_128x128"): w_fp8 = _dgrad_weight(ctx.w_fp8)
-                else: w_fp8 = ctx.w_fp8                             # emulation: any layout
                 if dy_dgrad is None: dy_dgrad = _quantize(dy2d, recipe, "dy", "dgrad")
+                if ctx.w_fp8 is None: w_fp8 = _quantize(hp_weight, recipe, "w", "dgrad", True)   # stored transposed
+                elif has_fp8_kernel(dy.device, kernel_layout(dy_dgrad, ctx.w_fp8)): w_fp8 = _dgrad_weight(ctx.w_fp8)
+                else: w_fp8 = ctx.w_fp8                             # emulation: any layout
                 dx = fp8_mm(dy_dgrad, w_fp8, out_dtype=dy.dtype)
             else:
                 dx = dy2d @ hp_weight.to(dy.dtype)
