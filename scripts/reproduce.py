@@ -4,6 +4,7 @@ rollout precisions), same prompts, seeds and settings; one command, one seed lis
     python scripts/reproduce.py --preset workshop --out runs/reproduce        # CPU, the dose-response
     python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 500   # one H200 call; again resumes
     python scripts/reproduce.py --preset gpu --plan                          # state sizes and the one-call time estimate
+    python scripts/reproduce.py --report-from benchmarks/results/reproduce_gpu.jsonl --out DIR   # redraw a saved report
 
 What it does, in order, each stage resumable (run the same command again to continue; nothing is redone):
 1. (presets with `sft`) train the base policy from scratch on jetrl's arithmetic chains with worked solutions
@@ -499,27 +500,28 @@ def learning_gain(row: dict) -> float:
         return row["eval_accuracy_after"] - row["eval_accuracy_before"]
     return row["accuracy_last"] - row["accuracy_first"]
 
-def report_figure(histories: dict[tuple[str, int], list[dict]], rows: list[dict], strategies: tuple[str, ...]):
-    "Six panels: accuracy, mismatch k3, |dlogp| by position (last third), IS ratio max, ESS, and accuracy vs mismatch."
+def report_figure(run_curves: dict, rows: list[dict], strategies: tuple[str, ...]):
+    """Six panels drawn from saved curves (the `curves()` format, e.g. a results file's `_curves.json`) and result rows:
+    train accuracy, mismatch k3, |dlogp| by token position (each run's last span of training), IS ratio max, ESS (per
+    step, the seeds of a strategy averaged), and held-out accuracy gain against mean |dlogp| (one dot per run)."""
     from plotly.subplots import make_subplots
     import plotly.graph_objects as go
-    titles = ["accuracy (per step, seeds averaged)", "mismatch KL (k3)", "mean |dlogp| by token position (last third of training)",
+    titles = ["train accuracy (per step, seeds averaged)", "mismatch KL (k3)", "mean |dlogp| by token position (last third of training)",
               "IS ratio pi_train / pi_rollout: max per step", "effective sample size", "held-out accuracy gain vs measured mismatch (one dot per run)"]
     fig = make_subplots(rows=2, cols=3, subplot_titles=titles)
     palette = ["#1f77b4", "#2ca02c", "#9467bd", "#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
     for i, s in enumerate(strategies):
-        color, seeds = palette[i % len(palette)], [h for (st, _), h in histories.items() if st == s and h]
+        color, seeds = palette[i % len(palette)], [c for c in run_curves.values() if c["strategy"] == s and c["accuracy"]]
         if not seeds: continue
-        n = min(len(h) for h in seeds)
-        steps = list(range(n))
-        mean_of = lambda key: [_mean([h[k][key] for h in seeds]) for k in range(n)]
+        steps = list(range(min(len(c["accuracy"]) for c in seeds)))
+        mean_of = lambda key: [_mean([c[key][k] for c in seeds]) for k in steps]
         for p, key, panel in ((0, "accuracy", (1, 1)), (1, "mismatch/kl_k3", (1, 2)), (3, "mismatch/is_ratio_max", (2, 1)),
                               (4, "mismatch/ess", (2, 2))):
             fig.add_trace(go.Scatter(x=steps, y=mean_of(key), name=s, legendgroup=s, showlegend=p == 0,
                                      line=dict(color=color)), *panel)
         by_position = {}                                                  # position -> that bucket's |dlogp| in each seed
-        for _, positions, values in (position_profile(h)[-1] for h in seeds):
-            for q, v in zip(positions, values): by_position.setdefault(q, []).append(v)
+        for last in (c["by_position"][-1] for c in seeds if c["by_position"]):
+            for q, v in zip(last["positions"], last["logp_abs_diff_mean"]): by_position.setdefault(q, []).append(v)
         fig.add_trace(go.Scatter(x=sorted(by_position), y=[_mean(by_position[q]) for q in sorted(by_position)], name=s,
                                  legendgroup=s, showlegend=False, line=dict(color=color)), 1, 3)
         r = [row for row in rows if row["strategy"] == s]
@@ -527,16 +529,43 @@ def report_figure(histories: dict[tuple[str, int], list[dict]], rows: list[dict]
                                  mode="markers", marker=dict(color=color, size=9), name=s, legendgroup=s, showlegend=False,
                                  text=[f"seed {x['seed']}" for x in r]), 2, 3)
     fig.update_yaxes(type="log", row=1, col=2); fig.update_yaxes(type="log", row=1, col=3); fig.update_xaxes(type="log", row=2, col=3)
-    fig.update_xaxes(title_text="step", row=1, col=1); fig.update_xaxes(title_text="token position", row=1, col=3)
+    fig.update_xaxes(title_text="step", row=1, col=1); fig.update_xaxes(title_text="token position (bucket start)", row=1, col=3)
     fig.update_xaxes(title_text="mean |dlogp| over the run", row=2, col=3); fig.update_yaxes(title_text="accuracy gain", row=2, col=3)
-    fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision")
+    fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision "
+                                        "(a mismatch of exactly 0 has no point on the log axes)")
     return fig
+
+def report_note(preset: Preset, finished: list[tuple[str, int]] | None = None) -> str:
+    "What table.md's numbers mean; with `finished` (the finished runs) short of the whole set, which runs are done."
+    note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
+            f"{EVAL_SAMPLES} samples each at the training temperature, master weights in high precision. Train accuracy: mean over the first / last {preset.window} steps "
+            f"(sampled, new prompts each step). Diverged: a non-finite loss, or either accuracy falling by more than {DIVERGENCE_DROP}.")
+    if finished is not None and len(finished) < len(preset.strategies) * len(preset.seeds):
+        note += (f" Incomplete: {len(finished)} of {len(preset.strategies) * len(preset.seeds)} runs finished "
+                 f"({', '.join(f'{s} seed {seed}' for s, seed in finished) or 'none'}); a run without an 'after' accuracy is still going.")
+    return note
+
+def write_report_html(out: Path, title: str, note: str, table: str, command: str, run_curves: dict, rows: list[dict],
+                      strategies: tuple[str, ...], log=print, plotlyjs: str = "inline") -> bool:
+    """OUT/report.html: the note, the table and the command, then `report_figure`; True with the figure. Without plotly
+    (the GPU machine has torch, transformers, triton and numpy only) the page says so and holds the rest. `plotlyjs`:
+    'inline' (a self-contained page, ~4.8 MB) or 'cdn' (tens of KB; loads plotly.js from its CDN when opened)."""
+    if plotlyjs not in ("inline", "cdn"): raise ValueError(f"plotlyjs must be 'inline' or 'cdn', got {plotlyjs!r}")
+    header = f"<h2>{title}</h2><p>{note}</p><pre>{table}</pre><p><code>{command}</code></p>"
+    try: fig = report_figure(run_curves, rows, strategies)
+    except ImportError as e:                      # plotly is optional: the numbers are written before the figure
+        log(f"report: no figure ({e}); the table and the numbers are written. `pip install plotly` and run again, or draw "
+            "it elsewhere from the results file: python scripts/reproduce.py --report-from RESULTS.jsonl --out DIR")
+        (out / "report.html").write_text(f"<!doctype html><html><body>{header}<p>No figure: {e}.</p></body></html>\n")
+        return False
+    html = fig.to_html(include_plotlyjs=True if plotlyjs == "inline" else "cdn", full_html=True)
+    (out / "report.html").write_text(html.replace("<body>", "<body>" + header, 1))
+    return True
 
 def write_report(preset: Preset, out: Path, command: str, results: Path | None, log=print) -> tuple[str, list[dict]]:
     """table.md and summary.jsonl in `out` (every run with a finished step), the results file and its curves (the finished
-    runs only, each marked `complete`: whether every (strategy, seed) of the preset is finished), then report.html.
-    Returns (table, rows). The data is written before the figure, and the figure is skipped with a note where plotly is
-    missing (the GPU machine has torch, transformers, triton and numpy only): run the command again elsewhere to draw it."""
+    runs only, each marked `complete`: whether every (strategy, seed) of the preset is finished), then report.html
+    (`write_report_html`, the figure drawn from the same curves as the results file's). Returns (table, rows)."""
     histories, rows, finished = {}, [], []
     model = str(out / "base") if preset.sft is not None else preset.train.model
     model_params = _count_params(model)
@@ -554,30 +583,50 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None, 
     if not rows: raise RuntimeError(f"no run in {out} has a finished step yet: nothing to report")
     complete = len(finished) == len(preset.strategies) * len(preset.seeds)
     for r in rows: r["complete"] = complete
-    table = paper_table(rows, preset.strategies)
-    note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
-            f"{EVAL_SAMPLES} samples each at the training temperature, master weights in high precision. Train accuracy: mean over the first / last {preset.window} steps "
-            f"(sampled, new prompts each step). Diverged: a non-finite loss, or either accuracy falling by more than {DIVERGENCE_DROP}.")
-    if not complete:
-        note += (f" Incomplete: {len(finished)} of {len(preset.strategies) * len(preset.seeds)} runs finished "
-                 f"({', '.join(f'{s} seed {seed}' for s, seed in finished) or 'none'}); a run without an 'after' accuracy is still going.")
+    table, note = paper_table(rows, preset.strategies), report_note(preset, finished)
     (out / "table.md").write_text(table + "\n\n" + note + "\n")
     (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if results is not None and finished:
         done_rows = [r for r in rows if (r["strategy"], r["seed"]) in finished]
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in done_rows))
-        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves({k: histories[k] for k in finished})) + "\n")
-    header = f"<h2>jetrl reproduce ({preset.name})</h2><p>{note}</p><pre>{table}</pre><p><code>{command}</code></p>"
-    try: fig = report_figure(histories, rows, preset.strategies)
-    except ImportError as e:                      # plotly is optional: the numbers above are already written
-        log(f"report: no figure ({e}; `pip install plotly` and run the same command again to draw it); "
-            f"table.md, summary.jsonl{' and ' + str(results) if results is not None and finished else ''} are written")
-        (out / "report.html").write_text(f"<!doctype html><html><body>{header}<p>No figure: {e}.</p></body></html>\n")
-        return table, rows
-    html = fig.to_html(include_plotlyjs=True, full_html=True).replace("<body>", "<body>" + header, 1)
-    (out / "report.html").write_text(html)
+        curves_file(results).write_text(json.dumps(curves({k: histories[k] for k in finished})) + "\n")
+    write_report_html(out, f"jetrl reproduce ({preset.name})", note, table, command, curves(histories), rows, preset.strategies, log)
     return table, rows
+
+def curves_file(results: Path) -> Path:
+    "The curves saved beside a results file: reproduce_gpu.jsonl -> reproduce_gpu_curves.json."
+    return results.with_name(results.stem + "_curves.json")
+
+def report_from_results(results: Path, out: Path, log=print, plotlyjs: str = "inline") -> str:
+    """Redraw the report of a saved reproduction (no run folders needed): `results` (a results JSONL) and its
+    `curves_file` -> OUT/table.md and OUT/report.html with the figure. Strategies in the results' order; the note from
+    the preset the rows name (its description, the seeds found). Returns the table."""
+    if not results.is_file(): raise FileNotFoundError(f"no results file {results}: give the JSONL a reproduction wrote "
+                                                      "(e.g. benchmarks/results/reproduce_gpu.jsonl)")
+    saved_curves = curves_file(results)
+    if not saved_curves.is_file():
+        raise FileNotFoundError(f"{saved_curves.name} is missing beside {results}: the figure is drawn from the per-step curves "
+                                f"that write_report saves as {saved_curves}; copy it there (or rerun the reproduction's command "
+                                "with --results pointing at this file) and try again")
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    if not rows: raise ValueError(f"{results} holds no result rows")
+    run_curves = json.loads(saved_curves.read_text())
+    missing = [f"{r['strategy']}_seed{r['seed']}" for r in rows if f"{r['strategy']}_seed{r['seed']}" not in run_curves]
+    if missing: raise ValueError(f"{saved_curves} has no curves for {missing} of {results}: the two files are from different runs")
+    strategies = tuple(dict.fromkeys(r["strategy"] for r in rows))
+    seeds = tuple(dict.fromkeys(r["seed"] for r in rows))
+    preset = PRESETS.get(rows[0].get("preset"))
+    table = paper_table(rows, strategies)
+    note = (report_note(replace(preset, strategies=strategies, seeds=seeds)) if preset is not None
+            else f"{len(rows)} runs of {results.name}.")
+    if not all(r.get("complete", True) for r in rows): note += " Incomplete: the set had unfinished runs when this file was written."
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table + "\n\n" + note + "\n")
+    title = f"jetrl reproduce ({rows[0].get('preset', results.stem)}), from {results.name}"
+    if not write_report_html(out, title, note, table, rows[0].get("command", ""), run_curves, rows, strategies, log, plotlyjs):
+        raise RuntimeError("plotly is needed to draw the figure: `pip install plotly` and run again (table.md is written)")
+    return table
 
 RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "accuracy_first", "accuracy_last", "diverged",
                "eval_accuracy_before", "eval_accuracy_after",
@@ -848,6 +897,10 @@ def parse_args(argv=None):
     p.add_argument("--pack", type=Path, help="at the end, write OUT as <= 15 MiB parts into this folder")
     p.add_argument("--plan", action="store_true", help="print state sizes and the one-call H200 time estimate, run nothing else")
     p.add_argument("--measure", type=int, default=0, help="with --plan: also time this many GRPO steps per strategy here, small")
+    p.add_argument("--report-from", type=Path, metavar="RESULTS_JSONL",
+                   help="run nothing: draw OUT/report.html and OUT/table.md from a saved results file and its _curves.json")
+    p.add_argument("--plotlyjs", choices=("inline", "cdn"), default="inline",
+                   help="with --report-from: plotly.js inside report.html (self-contained, ~4.8 MB) or from its CDN (small)")
     args = p.parse_args(argv)
     if args.out is None and not args.plan: p.error("--out is required (a folder for the runs and the report)")
     return args
@@ -873,6 +926,8 @@ def main(argv=None) -> int:
         preset = preset_from_args(args)
         if args.plan:
             print(json.dumps(plan(preset, args.device, args.measure), indent=1)); return 0
+        if args.report_from:
+            print(report_from_results(args.report_from, args.out, plotlyjs=args.plotlyjs)); print(f"report: {args.out / 'report.html'}"); return 0
         if args.unpack: print(f"unpacked {unpack(args.unpack, args.out) / MiB:.1f} MiB into {args.out}")
         done = run_all(preset, args.out, args.device, deadline)
         device = "gpu" if args.device.startswith("cuda") else "cpu"

@@ -179,6 +179,47 @@ def _history(accuracies, loss=0.1):
             for i, a in enumerate(accuracies)]
 
 
+def _saved_run(strategy, seed, n_steps=6, gap=1e-3):
+    "A finished run as the results file and its curves hold it: |dlogp| `gap` x (1 + position / 64), constant in time."
+    history = _history([0.2 + 0.05 * k for k in range(n_steps)])
+    for m in history:
+        m["reward"] = m["accuracy"]
+        m["mismatch/by_position"] = {"positions": [0, 64, 128], "tokens": [10, 10, 5],
+                                     "logp_abs_diff_mean": [gap * (1 + q / 64) for q in (0, 64, 128)]}
+    row = R.run_summary(R.PRESETS["smoke"], strategy, seed, history, 3, "cmd", (0.2, 0.3 + 0.01 * seed))
+    return history, row | {"complete": True}
+
+
+def test_report_figure_is_drawn_from_saved_curves(tmp_path):
+    "Six traces per strategy from the curves() format alone; the position panel is the seeds' mean of the last span."
+    pytest.importorskip("plotly")
+    runs = {(s, seed): _saved_run(s, seed, gap=g * (1 + seed)) for s, g in (("bf16", 0.0), ("fp8-rollout", 1e-3)) for seed in (0, 1)}
+    saved = json.loads(json.dumps(R.curves({k: h for k, (h, _) in runs.items()})))      # through JSON, as committed
+    fig = R.report_figure(saved, [row for _, row in runs.values()], ("bf16", "fp8-rollout"))
+    assert [t.name for t in fig.data] == ["bf16"] * 6 + ["fp8-rollout"] * 6
+    by_panel = {(t.name, t.xaxis): t for t in fig.data}
+    position = by_panel[("fp8-rollout", "x3")]
+    assert list(position.x) == [0, 64, 128] and list(position.y) == pytest.approx([1.5e-3 * (1 + q / 64) for q in (0, 64, 128)])
+    assert list(by_panel[("fp8-rollout", "x")].y) == pytest.approx([0.2 + 0.05 * k for k in range(6)])   # accuracy per step
+    assert list(by_panel[("bf16", "x6")].y) == pytest.approx([0.1, 0.11])                                 # one dot per seed
+
+
+def test_report_from_results_redraws_and_names_a_missing_curves_file(tmp_path):
+    pytest.importorskip("plotly")
+    runs = {(s, 0): _saved_run(s, 0) for s in ("bf16", "fp8-rollout")}
+    results = tmp_path / "reproduce_x.jsonl"
+    results.write_text("".join(json.dumps({k: row[k] for k in R.RESULT_KEYS}) + "\n" for _, row in runs.values()))
+    with pytest.raises(FileNotFoundError, match="reproduce_x_curves.json is missing"):
+        R.report_from_results(results, tmp_path / "out")
+    assert not (tmp_path / "out").exists()                                          # nothing written before the check
+    R.curves_file(results).write_text(json.dumps(R.curves({k: h for k, (h, _) in runs.items()})))
+    table = R.report_from_results(results, tmp_path / "out", plotlyjs="cdn")
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "| `fp8-rollout` |" in table and table in (tmp_path / "out" / "table.md").read_text()
+    assert "plotly" in html and '"name":"fp8-rollout"' in html.replace(" ", "")
+    assert R.main(["--report-from", str(tmp_path / "nothing.jsonl"), "--out", str(tmp_path / "o2")]) == 2
+
+
 def test_diverged_rule():
     preset = R.replace(R.PRESETS["smoke"], window=2)
     row = lambda h: R.run_summary(preset, "bf16", 0, h, 3, "cmd")
