@@ -311,7 +311,8 @@ def _config(**kw) -> TrainConfig:
 # -0.013; a less trained base (300 SFT steps, 0.11) fell at every lr. The 22.8M base is more fragile than the 0.46M
 # one (at 16 prompts lr 1e-4 took it 0.59 -> 0.34 in 24 steps, as 3e-4..1e-3 do the small one), so its lr is the
 # CPU optimum scaled by that ~5x: 2e-5 (1/50 of its SFT's peak lr; 1/30 on the CPU). 30 steps: the gain at 24 was
-# within 1.3x the seed spread. Not measured on a GPU.
+# within 1.3x the seed spread. On the H200 (session 6, benchmarks/results/reproduce_gpu.jsonl) bf16 went from 0.209 to
+# 0.659 / 0.649 held out in 30 steps; every strategy learned (0.626-0.650 after).
 GPU_STEPS = 30
 GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
@@ -713,15 +714,19 @@ def _param_count(s: SFTSpec) -> int:
                  + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
     return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
 
-# One device call on one H200, as measured by the GPU attempts (`--preset gpu`, base SFT'd in the same call). Attempt 2
-# (`--time-budget 500`, 24 steps, the SFT'd base writing ~501-token completions) gives the SFT time (its sft.json), the
-# seconds of each run and of the evals (its log) and s/step at the real length (its summary); attempt 1 (30 steps, a
-# tokenizer bug made completions of 49..396 tokens) adds the spread in length that fits the per-token slope.
-GPU_ATTEMPT2 = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt2"
-GPU_MEASURED_SUMMARIES = (REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_summary.jsonl", GPU_ATTEMPT2 / "summary.jsonl")
-GPU_MEASURED_LOG = GPU_ATTEMPT2 / "log.txt"
-GPU_MEASURED_SFT = GPU_ATTEMPT2 / "sft.json"
-GPU_MEASURED_ROWS = 16 * 8     # rows per GRPO step in both attempts (16 prompts x 8): the only batch size measured
+# One H200, as measured (`--preset gpu`, the base SFT'd in the first call). The reproduction of session 6 (three calls,
+# 30 steps of 128 prompts x 8, the SFT'd base writing ~501-token completions; reproduce_gpu/) gives the SFT time (its
+# sft.json), the seconds of a run and of an eval (its first call's log: the SFT, the base's eval, bf16 seed 0) and
+# s/step at 1024 rows; attempt 2 (24 steps of 16 prompts x 8, ~501 tokens) and attempt 1 (30 steps of 16 x 8, a
+# tokenizer bug made completions of 49..396 tokens) give s/step at 128 rows and the spread in length that fits the
+# per-token slope. (summary, rows per GRPO step) each:
+GPU_RESULTS = REPO / "benchmarks" / "results"
+GPU_MEASURED_SUMMARIES = ((GPU_RESULTS / "reproduce_gpu_attempt1_summary.jsonl", 16 * 8),
+                          (GPU_RESULTS / "reproduce_gpu_attempt2" / "summary.jsonl", 16 * 8),
+                          (GPU_RESULTS / "reproduce_gpu" / "summary.jsonl", 128 * 8))
+GPU_MEASURED_LOG = GPU_RESULTS / "reproduce_gpu" / "log_call1_bf16_seed0.txt"
+GPU_MEASURED_SFT = GPU_RESULTS / "reproduce_gpu" / "sft.json"
+GPU_SLOPE_ROWS = 16 * 8        # the batch of the attempts whose lengths varied: the per-token slope is measured there
 DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
 TARGET_CALL_S = 420            # what the gpu preset is sized for: the lead's device budget per call
 STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement
@@ -760,28 +765,40 @@ def worked_tokens(preset: Preset) -> float:
     rows = eval_rows(replace(preset, eval_prompts=64))
     return _mean([len(tokenizer(worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows])
 
-def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, summaries: tuple[Path, ...] = GPU_MEASURED_SUMMARIES,
+def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None,
+                      summaries: tuple[tuple[Path, int], ...] = GPU_MEASURED_SUMMARIES,
                       log_file: Path = GPU_MEASURED_LOG, sft_file: Path = GPU_MEASURED_SFT) -> dict:
-    """Seconds `preset` takes on one H200 (SFT, the base eval, every run and its eval), from the GPU attempts'
-    measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked solution's
-    length, which the SFT'd base writes) times the rows per step over the measured GPU_MEASURED_ROWS (an upper bound),
-    each run's fixed seconds and the evals' from `measured_call_seconds`, SFT time scaled by steps x rows, plus
-    STARTUP_RESERVE_S. Strategies never measured take the slowest intercept. Also how many calls of TARGET_CALL_S it
-    takes with whole runs per call, and the most GRPO steps per run for which everything fits in one call."""
-    rows = [json.loads(line) for summary in summaries for line in summary.read_text().splitlines()]
-    intercept, slope = step_time_model(rows)
+    """Seconds `preset` takes on one H200 (SFT, the base eval, every run and its eval), from the measurements above.
+    Per-step time: from the largest measured batch not above the preset's rows per step (else the smallest), each
+    strategy's mean s/step there moved along the length to `completion_tokens` (default: the worked solution's length,
+    which the SFT'd base writes) by `step_time_model`'s per-token slope (fitted at GPU_SLOPE_ROWS) times that batch
+    over GPU_SLOPE_ROWS, then times the preset's rows over that batch (every part of the step scaled linearly: an
+    upper bound; never scaled down). Strategies never measured at that batch take its slowest. Each run's fixed
+    seconds and the evals' from `measured_call_seconds`, the SFT time scaled by steps x rows, plus STARTUP_RESERVE_S.
+    Also how many calls of TARGET_CALL_S it takes with whole runs per call, and the most GRPO steps per run for
+    which everything fits in one call."""
+    measured = [(json.loads(line), batch) for summary, batch in summaries for line in summary.read_text().splitlines()]
+    _, slope = step_time_model([r | {"strategy": f"{r['strategy']}@{batch}"} for r, batch in measured])  # one intercept per batch
+    batches = sorted({batch for _, batch in measured})
+    batch = max([b for b in batches if b <= preset.train.rows_per_step], default=batches[0])
+    at_batch = {}
+    for r, b in measured:
+        if b == batch: at_batch.setdefault(r["strategy"], []).append(r)
+    step_at = {s: (_mean([r["seconds_per_step"] for r in v]), _mean([r["completion_length_mean"] for r in v])) for s, v in at_batch.items()}
     sft = json.loads(sft_file.read_text())
     sft_measured_s = sft["seconds_this_call"]
     sft_s = 0.0
     if preset.sft is not None:
         sft_s = sft_measured_s * preset.sft.steps * preset.sft.batch_size / (sft["steps"] * sft["batch_size"])
-    call = measured_call_seconds(log_file, [json.loads(line) for line in summaries[-1].read_text().splitlines()], sft_measured_s)
+    log_summary = [r for r, b in measured if b == summaries[-1][1]]        # the log's call ran the last summary's setting
+    call = measured_call_seconds(log_file, log_summary, sft_measured_s)
     tokens = completion_tokens if completion_tokens is not None else worked_tokens(preset)
-    # Rows per step beyond the measured 128: every part of the step (decode, trainer passes, optimizer) scaled linearly,
-    # an upper bound (decode of a 22.8M model is launch-bound: the held-out eval, 1024 rows x the same tokens, took
-    # <= eval_s each); never scaled down below the measured batch.
-    rows_factor = max(preset.train.rows_per_step / GPU_MEASURED_ROWS, 1.0)
-    per_step = {s: (intercept.get(s, max(intercept.values())) + slope * tokens) * rows_factor for s in preset.strategies}
+    rows_factor = max(preset.train.rows_per_step / batch, 1.0)
+    slowest = max(step_at, key=lambda s: step_at[s][0])
+    def seconds_per_step(strategy):                      # at the preset's length and rows per step
+        measured_s, measured_tokens = step_at.get(strategy, step_at[slowest])
+        return (measured_s + slope * batch / GPU_SLOPE_ROWS * (tokens - measured_tokens)) * rows_factor
+    per_step = {s: seconds_per_step(s) for s in preset.strategies}
     runs = len(preset.seeds)
     all_runs_per_step = runs * sum(per_step.values())
     fixed = (STARTUP_RESERVE_S + sft_s + call["eval_s"] * (1 + runs * len(preset.strategies))
@@ -796,7 +813,7 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, su
             if run_s[s] > room: calls, room = calls + 1, TARGET_CALL_S - STARTUP_RESERVE_S
             room -= run_s[s]
     return {"seconds_per_step": {s: round(v, 2) for s, v in per_step.items()}, "slope_s_per_token": round(slope, 5),
-            "rows_per_step": preset.train.rows_per_step, "rows_factor": round(rows_factor, 2),
+            "rows_per_step": preset.train.rows_per_step, "measured_rows": batch, "rows_factor": round(rows_factor, 2),
             "completion_tokens": round(tokens, 1), "sft_s": round(sft_s, 1), "eval_s_each": round(call["eval_s"], 1),
             "run_overhead_s_each": round(call["run_overhead_s"], 1), "startup_reserve_s": STARTUP_RESERVE_S,
             "total_s": round(total, 1), "device_call_s": DEVICE_CALL_S, "target_call_s": TARGET_CALL_S,
@@ -804,13 +821,13 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, su
             "max_steps_in_one_call": int((DEVICE_CALL_S - fixed) // all_runs_per_step),
             "max_steps_in_target": int((TARGET_CALL_S - fixed) // all_runs_per_step),
             "time_budget_s": TARGET_CALL_S - STARTUP_RESERVE_S,
-            "source": ", ".join(str(p.relative_to(REPO)) for p in (*summaries, log_file, sft_file))}
+            "source": ", ".join(str(p.relative_to(REPO)) for p in (*(f for f, _ in summaries), log_file, sft_file))}
 
 def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict:
     """What a run of `preset` will carry and cost.
 
     Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. One H200 device
-    call (presets with an SFT): `gpu_call_estimate`, from the first GPU attempt's measurements. With `measure_steps`
+    call (presets with an SFT): `gpu_call_estimate`, from the GPU runs' measurements. With `measure_steps`
     (`--measure N`; minutes on a CPU), also GRPO
     steps of every strategy at 4 x 4 rows and 64 new tokens (the GPU preset's model shape, a tiny SFT), timed here;
     each extrapolated to the preset's rows and tokens by FLOPs (trainer: 10 x params x tokens, i.e. forward +
@@ -827,7 +844,7 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
             f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's folder out).")
         call = info["h200_call"] = gpu_call_estimate(preset)
-        scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {GPU_MEASURED_ROWS}: every "
+        scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {call['measured_rows']}: every "
                   "part of the step scaled linearly, an upper bound") if call["rows_factor"] > 1 else ""
         log(f"on one H200: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
             f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, "
