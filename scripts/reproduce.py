@@ -508,9 +508,11 @@ def report_figure(run_curves: dict, rows: list[dict], strategies: tuple[str, ...
     from plotly.subplots import make_subplots
     import plotly.graph_objects as go
     titles = ["train accuracy (per step, seeds averaged)", "mismatch KL (k3)", "mean |dlogp| by token position (last third of training)",
-              "IS ratio pi_train / pi_rollout: max per step", "effective sample size", "held-out accuracy gain vs measured mismatch (one dot per run)"]
+              "IS ratio pi_train / pi_rollout: max per step (seeds averaged)", "effective sample size", "held-out accuracy gain vs measured mismatch (one dot per run)"]
     fig = make_subplots(rows=2, cols=3, subplot_titles=titles)
     palette = ["#1f77b4", "#2ca02c", "#9467bd", "#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    positive = [r["logp_abs_diff_mean"] for r in rows if r["logp_abs_diff_mean"] > 0]
+    zero_at = min(positive) / 10 if positive else 1e-9           # where a run without any mismatch sits on the log axis
     for i, s in enumerate(strategies):
         color, seeds = palette[i % len(palette)], [c for c in run_curves.values() if c["strategy"] == s and c["accuracy"]]
         if not seeds: continue
@@ -526,14 +528,14 @@ def report_figure(run_curves: dict, rows: list[dict], strategies: tuple[str, ...
         fig.add_trace(go.Scatter(x=sorted(by_position), y=[_mean(by_position[q]) for q in sorted(by_position)], name=s,
                                  legendgroup=s, showlegend=False, line=dict(color=color)), 1, 3)
         r = [row for row in rows if row["strategy"] == s]
-        fig.add_trace(go.Scatter(x=[x["logp_abs_diff_mean"] for x in r], y=[learning_gain(x) for x in r],
+        fig.add_trace(go.Scatter(x=[x["logp_abs_diff_mean"] or zero_at for x in r], y=[learning_gain(x) for x in r],
                                  mode="markers", marker=dict(color=color, size=9), name=s, legendgroup=s, showlegend=False,
-                                 text=[f"seed {x['seed']}" for x in r]), 2, 3)
+                                 text=[f"seed {x['seed']}" + ", mismatch exactly 0" * (not x["logp_abs_diff_mean"]) for x in r]), 2, 3)
     fig.update_yaxes(type="log", row=1, col=2); fig.update_yaxes(type="log", row=1, col=3); fig.update_xaxes(type="log", row=2, col=3)
     fig.update_xaxes(title_text="step", row=1, col=1); fig.update_xaxes(title_text="token position (bucket start)", row=1, col=3)
-    fig.update_xaxes(title_text="mean |dlogp| over the run", row=2, col=3); fig.update_yaxes(title_text="accuracy gain", row=2, col=3)
+    fig.update_xaxes(title_text=f"mean |dlogp| over the run (exactly 0: drawn at {zero_at:.0e})", row=2, col=3); fig.update_yaxes(title_text="accuracy gain", row=2, col=3)
     fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision "
-                                        "(a mismatch of exactly 0 has no point on the log axes)")
+                                        "(a mismatch of exactly 0 has no line on the log axes of the top row)")
     return fig
 
 def report_note(preset: Preset, finished: list[tuple[str, int]] | None = None) -> str:

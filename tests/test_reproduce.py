@@ -193,7 +193,7 @@ def _saved_run(strategy, seed, n_steps=6, gap=1e-3):
     "A finished run as the results file and its curves hold it: |dlogp| `gap` x (1 + position / 64), constant in time."
     history = _history([0.2 + 0.05 * k for k in range(n_steps)])
     for m in history:
-        m["reward"] = m["accuracy"]
+        m["reward"], m["mismatch/logp_abs_diff_mean"] = m["accuracy"], gap
         m["mismatch/by_position"] = {"positions": [0, 64, 128], "tokens": [10, 10, 5],
                                      "logp_abs_diff_mean": [gap * (1 + q / 64) for q in (0, 64, 128)]}
     row = R.run_summary(R.PRESETS["smoke"], strategy, seed, history, 3, "cmd", (0.2, 0.3 + 0.01 * seed))
@@ -212,6 +212,8 @@ def test_report_figure_is_drawn_from_saved_curves(tmp_path):
     assert list(position.x) == [0, 64, 128] and list(position.y) == pytest.approx([1.5e-3 * (1 + q / 64) for q in (0, 64, 128)])
     assert list(by_panel[("fp8-rollout", "x")].y) == pytest.approx([0.2 + 0.05 * k for k in range(6)])   # accuracy per step
     assert list(by_panel[("bf16", "x6")].y) == pytest.approx([0.1, 0.11])                                 # one dot per seed
+    assert list(by_panel[("bf16", "x6")].x) == pytest.approx([1e-4] * 2)           # no mismatch: a decade left of the least
+    assert list(by_panel[("fp8-rollout", "x6")].x) == pytest.approx([1e-3, 2e-3])
 
 
 def test_report_from_results_redraws_and_names_a_missing_curves_file(tmp_path):
