@@ -4,6 +4,7 @@ rollout precisions), same prompts, seeds and settings; one command, one seed lis
     python scripts/reproduce.py --preset workshop --out runs/reproduce        # CPU, the dose-response
     python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 500   # one H200 call; again resumes
     python scripts/reproduce.py --preset gpu --plan                          # state sizes and the one-call time estimate
+    python scripts/reproduce.py --report-from benchmarks/results/reproduce_gpu.jsonl --out DIR   # redraw a saved report
 
 What it does, in order, each stage resumable (run the same command again to continue; nothing is redone):
 1. (presets with `sft`) train the base policy from scratch on jetrl's arithmetic chains with worked solutions
@@ -310,7 +311,8 @@ def _config(**kw) -> TrainConfig:
 # -0.013; a less trained base (300 SFT steps, 0.11) fell at every lr. The 22.8M base is more fragile than the 0.46M
 # one (at 16 prompts lr 1e-4 took it 0.59 -> 0.34 in 24 steps, as 3e-4..1e-3 do the small one), so its lr is the
 # CPU optimum scaled by that ~5x: 2e-5 (1/50 of its SFT's peak lr; 1/30 on the CPU). 30 steps: the gain at 24 was
-# within 1.3x the seed spread. Not measured on a GPU.
+# within 1.3x the seed spread. On the H200 (session 6, benchmarks/results/reproduce_gpu.jsonl) bf16 went from 0.209 to
+# 0.659 / 0.649 held out in 30 steps; every strategy learned (0.626-0.650 after).
 GPU_STEPS = 30
 GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
@@ -499,44 +501,74 @@ def learning_gain(row: dict) -> float:
         return row["eval_accuracy_after"] - row["eval_accuracy_before"]
     return row["accuracy_last"] - row["accuracy_first"]
 
-def report_figure(histories: dict[tuple[str, int], list[dict]], rows: list[dict], strategies: tuple[str, ...]):
-    "Six panels: accuracy, mismatch k3, |dlogp| by position (last third), IS ratio max, ESS, and accuracy vs mismatch."
+def report_figure(run_curves: dict, rows: list[dict], strategies: tuple[str, ...]):
+    """Six panels drawn from saved curves (the `curves()` format, e.g. a results file's `_curves.json`) and result rows:
+    train accuracy, mismatch k3, |dlogp| by token position (each run's last span of training), IS ratio max, ESS (per
+    step, the seeds of a strategy averaged), and held-out accuracy gain against mean |dlogp| (one dot per run)."""
     from plotly.subplots import make_subplots
     import plotly.graph_objects as go
-    titles = ["accuracy (per step, seeds averaged)", "mismatch KL (k3)", "mean |dlogp| by token position (last third of training)",
-              "IS ratio pi_train / pi_rollout: max per step", "effective sample size", "held-out accuracy gain vs measured mismatch (one dot per run)"]
+    titles = ["train accuracy (per step, seeds averaged)", "mismatch KL (k3)", "mean |dlogp| by token position (last third of training)",
+              "IS ratio pi_train / pi_rollout: max per step (seeds averaged)", "effective sample size", "held-out accuracy gain vs measured mismatch (one dot per run)"]
     fig = make_subplots(rows=2, cols=3, subplot_titles=titles)
     palette = ["#1f77b4", "#2ca02c", "#9467bd", "#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    positive = [r["logp_abs_diff_mean"] for r in rows if r["logp_abs_diff_mean"] > 0]
+    zero_at = min(positive) / 10 if positive else 1e-9           # where a run without any mismatch sits on the log axis
     for i, s in enumerate(strategies):
-        color, seeds = palette[i % len(palette)], [h for (st, _), h in histories.items() if st == s and h]
+        color, seeds = palette[i % len(palette)], [c for c in run_curves.values() if c["strategy"] == s and c["accuracy"]]
         if not seeds: continue
-        n = min(len(h) for h in seeds)
-        steps = list(range(n))
-        mean_of = lambda key: [_mean([h[k][key] for h in seeds]) for k in range(n)]
+        steps = list(range(min(len(c["accuracy"]) for c in seeds)))
+        mean_of = lambda key: [_mean([c[key][k] for c in seeds]) for k in steps]
         for p, key, panel in ((0, "accuracy", (1, 1)), (1, "mismatch/kl_k3", (1, 2)), (3, "mismatch/is_ratio_max", (2, 1)),
                               (4, "mismatch/ess", (2, 2))):
             fig.add_trace(go.Scatter(x=steps, y=mean_of(key), name=s, legendgroup=s, showlegend=p == 0,
                                      line=dict(color=color)), *panel)
         by_position = {}                                                  # position -> that bucket's |dlogp| in each seed
-        for _, positions, values in (position_profile(h)[-1] for h in seeds):
-            for q, v in zip(positions, values): by_position.setdefault(q, []).append(v)
+        for last in (c["by_position"][-1] for c in seeds if c["by_position"]):
+            for q, v in zip(last["positions"], last["logp_abs_diff_mean"]): by_position.setdefault(q, []).append(v)
         fig.add_trace(go.Scatter(x=sorted(by_position), y=[_mean(by_position[q]) for q in sorted(by_position)], name=s,
                                  legendgroup=s, showlegend=False, line=dict(color=color)), 1, 3)
         r = [row for row in rows if row["strategy"] == s]
-        fig.add_trace(go.Scatter(x=[x["logp_abs_diff_mean"] for x in r], y=[learning_gain(x) for x in r],
+        fig.add_trace(go.Scatter(x=[x["logp_abs_diff_mean"] or zero_at for x in r], y=[learning_gain(x) for x in r],
                                  mode="markers", marker=dict(color=color, size=9), name=s, legendgroup=s, showlegend=False,
-                                 text=[f"seed {x['seed']}" for x in r]), 2, 3)
+                                 text=[f"seed {x['seed']}" + ", mismatch exactly 0" * (not x["logp_abs_diff_mean"]) for x in r]), 2, 3)
     fig.update_yaxes(type="log", row=1, col=2); fig.update_yaxes(type="log", row=1, col=3); fig.update_xaxes(type="log", row=2, col=3)
-    fig.update_xaxes(title_text="step", row=1, col=1); fig.update_xaxes(title_text="token position", row=1, col=3)
-    fig.update_xaxes(title_text="mean |dlogp| over the run", row=2, col=3); fig.update_yaxes(title_text="accuracy gain", row=2, col=3)
-    fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision")
+    fig.update_xaxes(title_text="step", row=1, col=1); fig.update_xaxes(title_text="token position (bucket start)", row=1, col=3)
+    fig.update_xaxes(title_text=f"mean |dlogp| over the run (exactly 0: drawn at {zero_at:.0e})", row=2, col=3); fig.update_yaxes(title_text="accuracy gain", row=2, col=3)
+    fig.update_layout(height=800, title="jetrl reproduce: the same GRPO run under each rollout precision "
+                                        "(a mismatch of exactly 0 has no line on the log axes of the top row)")
     return fig
+
+def report_note(preset: Preset, finished: list[tuple[str, int]] | None = None) -> str:
+    "What table.md's numbers mean; with `finished` (the finished runs) short of the whole set, which runs are done."
+    note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
+            f"{EVAL_SAMPLES} samples each at the training temperature, master weights in high precision. Train accuracy: mean over the first / last {preset.window} steps "
+            f"(sampled, new prompts each step). Diverged: a non-finite loss, or either accuracy falling by more than {DIVERGENCE_DROP}.")
+    if finished is not None and len(finished) < len(preset.strategies) * len(preset.seeds):
+        note += (f" Incomplete: {len(finished)} of {len(preset.strategies) * len(preset.seeds)} runs finished "
+                 f"({', '.join(f'{s} seed {seed}' for s, seed in finished) or 'none'}); a run without an 'after' accuracy is still going.")
+    return note
+
+def write_report_html(out: Path, title: str, note: str, table: str, command: str, run_curves: dict, rows: list[dict],
+                      strategies: tuple[str, ...], log=print, plotlyjs: str = "inline") -> bool:
+    """OUT/report.html: the note, the table and the command, then `report_figure`; True with the figure. Without plotly
+    (the GPU machine has torch, transformers, triton and numpy only) the page says so and holds the rest. `plotlyjs`:
+    'inline' (a self-contained page, ~4.8 MB) or 'cdn' (tens of KB; loads plotly.js from its CDN when opened)."""
+    if plotlyjs not in ("inline", "cdn"): raise ValueError(f"plotlyjs must be 'inline' or 'cdn', got {plotlyjs!r}")
+    header = f"<h2>{title}</h2><p>{note}</p><pre>{table}</pre><p><code>{command}</code></p>"
+    try: fig = report_figure(run_curves, rows, strategies)
+    except ImportError as e:                      # plotly is optional: the numbers are written before the figure
+        log(f"report: no figure ({e}); the table and the numbers are written. `pip install plotly` and run again, or draw "
+            "it elsewhere from the results file: python scripts/reproduce.py --report-from RESULTS.jsonl --out DIR")
+        (out / "report.html").write_text(f"<!doctype html><html><body>{header}<p>No figure: {e}.</p></body></html>\n")
+        return False
+    html = fig.to_html(include_plotlyjs=True if plotlyjs == "inline" else "cdn", full_html=True)
+    (out / "report.html").write_text(html.replace("<body>", "<body>" + header, 1))
+    return True
 
 def write_report(preset: Preset, out: Path, command: str, results: Path | None, log=print) -> tuple[str, list[dict]]:
     """table.md and summary.jsonl in `out` (every run with a finished step), the results file and its curves (the finished
-    runs only, each marked `complete`: whether every (strategy, seed) of the preset is finished), then report.html.
-    Returns (table, rows). The data is written before the figure, and the figure is skipped with a note where plotly is
-    missing (the GPU machine has torch, transformers, triton and numpy only): run the command again elsewhere to draw it."""
+    runs only, each marked `complete`: whether every (strategy, seed) of the preset is finished), then report.html
+    (`write_report_html`, the figure drawn from the same curves as the results file's). Returns (table, rows)."""
     histories, rows, finished = {}, [], []
     model = str(out / "base") if preset.sft is not None else preset.train.model
     model_params = _count_params(model)
@@ -554,30 +586,50 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None, 
     if not rows: raise RuntimeError(f"no run in {out} has a finished step yet: nothing to report")
     complete = len(finished) == len(preset.strategies) * len(preset.seeds)
     for r in rows: r["complete"] = complete
-    table = paper_table(rows, preset.strategies)
-    note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
-            f"{EVAL_SAMPLES} samples each at the training temperature, master weights in high precision. Train accuracy: mean over the first / last {preset.window} steps "
-            f"(sampled, new prompts each step). Diverged: a non-finite loss, or either accuracy falling by more than {DIVERGENCE_DROP}.")
-    if not complete:
-        note += (f" Incomplete: {len(finished)} of {len(preset.strategies) * len(preset.seeds)} runs finished "
-                 f"({', '.join(f'{s} seed {seed}' for s, seed in finished) or 'none'}); a run without an 'after' accuracy is still going.")
+    table, note = paper_table(rows, preset.strategies), report_note(preset, finished)
     (out / "table.md").write_text(table + "\n\n" + note + "\n")
     (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if results is not None and finished:
         done_rows = [r for r in rows if (r["strategy"], r["seed"]) in finished]
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in done_rows))
-        results.with_name(results.stem + "_curves.json").write_text(json.dumps(curves({k: histories[k] for k in finished})) + "\n")
-    header = f"<h2>jetrl reproduce ({preset.name})</h2><p>{note}</p><pre>{table}</pre><p><code>{command}</code></p>"
-    try: fig = report_figure(histories, rows, preset.strategies)
-    except ImportError as e:                      # plotly is optional: the numbers above are already written
-        log(f"report: no figure ({e}; `pip install plotly` and run the same command again to draw it); "
-            f"table.md, summary.jsonl{' and ' + str(results) if results is not None and finished else ''} are written")
-        (out / "report.html").write_text(f"<!doctype html><html><body>{header}<p>No figure: {e}.</p></body></html>\n")
-        return table, rows
-    html = fig.to_html(include_plotlyjs=True, full_html=True).replace("<body>", "<body>" + header, 1)
-    (out / "report.html").write_text(html)
+        curves_file(results).write_text(json.dumps(curves({k: histories[k] for k in finished})) + "\n")
+    write_report_html(out, f"jetrl reproduce ({preset.name})", note, table, command, curves(histories), rows, preset.strategies, log)
     return table, rows
+
+def curves_file(results: Path) -> Path:
+    "The curves saved beside a results file: reproduce_gpu.jsonl -> reproduce_gpu_curves.json."
+    return results.with_name(results.stem + "_curves.json")
+
+def report_from_results(results: Path, out: Path, log=print, plotlyjs: str = "inline") -> str:
+    """Redraw the report of a saved reproduction (no run folders needed): `results` (a results JSONL) and its
+    `curves_file` -> OUT/table.md and OUT/report.html with the figure. Strategies in the results' order; the note from
+    the preset the rows name (its description, the seeds found). Returns the table."""
+    if not results.is_file(): raise FileNotFoundError(f"no results file {results}: give the JSONL a reproduction wrote "
+                                                      "(e.g. benchmarks/results/reproduce_gpu.jsonl)")
+    saved_curves = curves_file(results)
+    if not saved_curves.is_file():
+        raise FileNotFoundError(f"{saved_curves.name} is missing beside {results}: the figure is drawn from the per-step curves "
+                                f"that write_report saves as {saved_curves}; copy it there (or rerun the reproduction's command "
+                                "with --results pointing at this file) and try again")
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    if not rows: raise ValueError(f"{results} holds no result rows")
+    run_curves = json.loads(saved_curves.read_text())
+    missing = [f"{r['strategy']}_seed{r['seed']}" for r in rows if f"{r['strategy']}_seed{r['seed']}" not in run_curves]
+    if missing: raise ValueError(f"{saved_curves} has no curves for {missing} of {results}: the two files are from different runs")
+    strategies = tuple(dict.fromkeys(r["strategy"] for r in rows))
+    seeds = tuple(dict.fromkeys(r["seed"] for r in rows))
+    preset = PRESETS.get(rows[0].get("preset"))
+    table = paper_table(rows, strategies)
+    note = (report_note(replace(preset, strategies=strategies, seeds=seeds)) if preset is not None
+            else f"{len(rows)} runs of {results.name}.")
+    if not all(r.get("complete", True) for r in rows): note += " Incomplete: the set had unfinished runs when this file was written."
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table + "\n\n" + note + "\n")
+    title = f"jetrl reproduce ({rows[0].get('preset', results.stem)}), from {results.name}"
+    if not write_report_html(out, title, note, table, rows[0].get("command", ""), run_curves, rows, strategies, log, plotlyjs):
+        raise RuntimeError("plotly is needed to draw the figure: `pip install plotly` and run again (table.md is written)")
+    return table
 
 RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "accuracy_first", "accuracy_last", "diverged",
                "eval_accuracy_before", "eval_accuracy_after",
@@ -664,15 +716,19 @@ def _param_count(s: SFTSpec) -> int:
                  + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
     return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
 
-# One device call on one H200, as measured by the GPU attempts (`--preset gpu`, base SFT'd in the same call). Attempt 2
-# (`--time-budget 500`, 24 steps, the SFT'd base writing ~501-token completions) gives the SFT time (its sft.json), the
-# seconds of each run and of the evals (its log) and s/step at the real length (its summary); attempt 1 (30 steps, a
-# tokenizer bug made completions of 49..396 tokens) adds the spread in length that fits the per-token slope.
-GPU_ATTEMPT2 = REPO / "benchmarks" / "results" / "reproduce_gpu_attempt2"
-GPU_MEASURED_SUMMARIES = (REPO / "benchmarks" / "results" / "reproduce_gpu_attempt1_summary.jsonl", GPU_ATTEMPT2 / "summary.jsonl")
-GPU_MEASURED_LOG = GPU_ATTEMPT2 / "log.txt"
-GPU_MEASURED_SFT = GPU_ATTEMPT2 / "sft.json"
-GPU_MEASURED_ROWS = 16 * 8     # rows per GRPO step in both attempts (16 prompts x 8): the only batch size measured
+# One H200, as measured (`--preset gpu`, the base SFT'd in the first call). The reproduction of session 6 (three calls,
+# 30 steps of 128 prompts x 8, the SFT'd base writing ~501-token completions; reproduce_gpu/) gives the SFT time (its
+# sft.json), the seconds of a run and of an eval (its first call's log: the SFT, the base's eval, bf16 seed 0) and
+# s/step at 1024 rows; attempt 2 (24 steps of 16 prompts x 8, ~501 tokens) and attempt 1 (30 steps of 16 x 8, a
+# tokenizer bug made completions of 49..396 tokens) give s/step at 128 rows and the spread in length that fits the
+# per-token slope. (summary, rows per GRPO step) each:
+GPU_RESULTS = REPO / "benchmarks" / "results"
+GPU_MEASURED_SUMMARIES = ((GPU_RESULTS / "reproduce_gpu_attempt1_summary.jsonl", 16 * 8),
+                          (GPU_RESULTS / "reproduce_gpu_attempt2" / "summary.jsonl", 16 * 8),
+                          (GPU_RESULTS / "reproduce_gpu" / "summary.jsonl", 128 * 8))
+GPU_MEASURED_LOG = GPU_RESULTS / "reproduce_gpu" / "log_call1_bf16_seed0.txt"
+GPU_MEASURED_SFT = GPU_RESULTS / "reproduce_gpu" / "sft.json"
+GPU_SLOPE_ROWS = 16 * 8        # the batch of the attempts whose lengths varied: the per-token slope is measured there
 DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
 TARGET_CALL_S = 420            # what the gpu preset is sized for: the lead's device budget per call
 STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement
@@ -711,28 +767,40 @@ def worked_tokens(preset: Preset) -> float:
     rows = eval_rows(replace(preset, eval_prompts=64))
     return _mean([len(tokenizer(worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows])
 
-def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, summaries: tuple[Path, ...] = GPU_MEASURED_SUMMARIES,
+def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None,
+                      summaries: tuple[tuple[Path, int], ...] = GPU_MEASURED_SUMMARIES,
                       log_file: Path = GPU_MEASURED_LOG, sft_file: Path = GPU_MEASURED_SFT) -> dict:
-    """Seconds `preset` takes on one H200 (SFT, the base eval, every run and its eval), from the GPU attempts'
-    measurements (above): per-step time by `step_time_model` at `completion_tokens` (default: the worked solution's
-    length, which the SFT'd base writes) times the rows per step over the measured GPU_MEASURED_ROWS (an upper bound),
-    each run's fixed seconds and the evals' from `measured_call_seconds`, SFT time scaled by steps x rows, plus
-    STARTUP_RESERVE_S. Strategies never measured take the slowest intercept. Also how many calls of TARGET_CALL_S it
-    takes with whole runs per call, and the most GRPO steps per run for which everything fits in one call."""
-    rows = [json.loads(line) for summary in summaries for line in summary.read_text().splitlines()]
-    intercept, slope = step_time_model(rows)
+    """Seconds `preset` takes on one H200 (SFT, the base eval, every run and its eval), from the measurements above.
+    Per-step time: from the largest measured batch not above the preset's rows per step (else the smallest), each
+    strategy's mean s/step there moved along the length to `completion_tokens` (default: the worked solution's length,
+    which the SFT'd base writes) by `step_time_model`'s per-token slope (fitted at GPU_SLOPE_ROWS) times that batch
+    over GPU_SLOPE_ROWS, then times the preset's rows over that batch (every part of the step scaled linearly: an
+    upper bound; never scaled down). Strategies never measured at that batch take its slowest. Each run's fixed
+    seconds and the evals' from `measured_call_seconds`, the SFT time scaled by steps x rows, plus STARTUP_RESERVE_S.
+    Also how many calls of TARGET_CALL_S it takes with whole runs per call, and the most GRPO steps per run for
+    which everything fits in one call."""
+    measured = [(json.loads(line), batch) for summary, batch in summaries for line in summary.read_text().splitlines()]
+    _, slope = step_time_model([r | {"strategy": f"{r['strategy']}@{batch}"} for r, batch in measured])  # one intercept per batch
+    batches = sorted({batch for _, batch in measured})
+    batch = max([b for b in batches if b <= preset.train.rows_per_step], default=batches[0])
+    at_batch = {}
+    for r, b in measured:
+        if b == batch: at_batch.setdefault(r["strategy"], []).append(r)
+    step_at = {s: (_mean([r["seconds_per_step"] for r in v]), _mean([r["completion_length_mean"] for r in v])) for s, v in at_batch.items()}
     sft = json.loads(sft_file.read_text())
     sft_measured_s = sft["seconds_this_call"]
     sft_s = 0.0
     if preset.sft is not None:
         sft_s = sft_measured_s * preset.sft.steps * preset.sft.batch_size / (sft["steps"] * sft["batch_size"])
-    call = measured_call_seconds(log_file, [json.loads(line) for line in summaries[-1].read_text().splitlines()], sft_measured_s)
+    log_summary = [r for r, b in measured if b == summaries[-1][1]]        # the log's call ran the last summary's setting
+    call = measured_call_seconds(log_file, log_summary, sft_measured_s)
     tokens = completion_tokens if completion_tokens is not None else worked_tokens(preset)
-    # Rows per step beyond the measured 128: every part of the step (decode, trainer passes, optimizer) scaled linearly,
-    # an upper bound (decode of a 22.8M model is launch-bound: the held-out eval, 1024 rows x the same tokens, took
-    # <= eval_s each); never scaled down below the measured batch.
-    rows_factor = max(preset.train.rows_per_step / GPU_MEASURED_ROWS, 1.0)
-    per_step = {s: (intercept.get(s, max(intercept.values())) + slope * tokens) * rows_factor for s in preset.strategies}
+    rows_factor = max(preset.train.rows_per_step / batch, 1.0)
+    slowest = max(step_at, key=lambda s: step_at[s][0])
+    def seconds_per_step(strategy):                      # at the preset's length and rows per step
+        measured_s, measured_tokens = step_at.get(strategy, step_at[slowest])
+        return (measured_s + slope * batch / GPU_SLOPE_ROWS * (tokens - measured_tokens)) * rows_factor
+    per_step = {s: seconds_per_step(s) for s in preset.strategies}
     runs = len(preset.seeds)
     all_runs_per_step = runs * sum(per_step.values())
     fixed = (STARTUP_RESERVE_S + sft_s + call["eval_s"] * (1 + runs * len(preset.strategies))
@@ -747,7 +815,7 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, su
             if run_s[s] > room: calls, room = calls + 1, TARGET_CALL_S - STARTUP_RESERVE_S
             room -= run_s[s]
     return {"seconds_per_step": {s: round(v, 2) for s, v in per_step.items()}, "slope_s_per_token": round(slope, 5),
-            "rows_per_step": preset.train.rows_per_step, "rows_factor": round(rows_factor, 2),
+            "rows_per_step": preset.train.rows_per_step, "measured_rows": batch, "rows_factor": round(rows_factor, 2),
             "completion_tokens": round(tokens, 1), "sft_s": round(sft_s, 1), "eval_s_each": round(call["eval_s"], 1),
             "run_overhead_s_each": round(call["run_overhead_s"], 1), "startup_reserve_s": STARTUP_RESERVE_S,
             "total_s": round(total, 1), "device_call_s": DEVICE_CALL_S, "target_call_s": TARGET_CALL_S,
@@ -755,13 +823,13 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None, su
             "max_steps_in_one_call": int((DEVICE_CALL_S - fixed) // all_runs_per_step),
             "max_steps_in_target": int((TARGET_CALL_S - fixed) // all_runs_per_step),
             "time_budget_s": TARGET_CALL_S - STARTUP_RESERVE_S,
-            "source": ", ".join(str(p.relative_to(REPO)) for p in (*summaries, log_file, sft_file))}
+            "source": ", ".join(str(p.relative_to(REPO)) for p in (*(f for f, _ in summaries), log_file, sft_file))}
 
 def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict:
     """What a run of `preset` will carry and cost.
 
     Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. One H200 device
-    call (presets with an SFT): `gpu_call_estimate`, from the first GPU attempt's measurements. With `measure_steps`
+    call (presets with an SFT): `gpu_call_estimate`, from the GPU runs' measurements. With `measure_steps`
     (`--measure N`; minutes on a CPU), also GRPO
     steps of every strategy at 4 x 4 rows and 64 new tokens (the GPU preset's model shape, a tiny SFT), timed here;
     each extrapolated to the preset's rows and tokens by FLOPs (trainer: 10 x params x tokens, i.e. forward +
@@ -778,7 +846,7 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
             f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's folder out).")
         call = info["h200_call"] = gpu_call_estimate(preset)
-        scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {GPU_MEASURED_ROWS}: every "
+        scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {call['measured_rows']}: every "
                   "part of the step scaled linearly, an upper bound") if call["rows_factor"] > 1 else ""
         log(f"on one H200: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
             f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, "
@@ -848,6 +916,10 @@ def parse_args(argv=None):
     p.add_argument("--pack", type=Path, help="at the end, write OUT as <= 15 MiB parts into this folder")
     p.add_argument("--plan", action="store_true", help="print state sizes and the one-call H200 time estimate, run nothing else")
     p.add_argument("--measure", type=int, default=0, help="with --plan: also time this many GRPO steps per strategy here, small")
+    p.add_argument("--report-from", type=Path, metavar="RESULTS_JSONL",
+                   help="run nothing: draw OUT/report.html and OUT/table.md from a saved results file and its _curves.json")
+    p.add_argument("--plotlyjs", choices=("inline", "cdn"), default="inline",
+                   help="with --report-from: plotly.js inside report.html (self-contained, ~4.8 MB) or from its CDN (small)")
     args = p.parse_args(argv)
     if args.out is None and not args.plan: p.error("--out is required (a folder for the runs and the report)")
     return args
@@ -873,6 +945,8 @@ def main(argv=None) -> int:
         preset = preset_from_args(args)
         if args.plan:
             print(json.dumps(plan(preset, args.device, args.measure), indent=1)); return 0
+        if args.report_from:
+            print(report_from_results(args.report_from, args.out, plotlyjs=args.plotlyjs)); print(f"report: {args.out / 'report.html'}"); return 0
         if args.unpack: print(f"unpacked {unpack(args.unpack, args.out) / MiB:.1f} MiB into {args.out}")
         done = run_all(preset, args.out, args.device, deadline)
         device = "gpu" if args.device.startswith("cuda") else "cpu"
