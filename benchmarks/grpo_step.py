@@ -6,6 +6,8 @@
         --micro-batch 4 --checkpointing --out benchmarks/results/grpo_step_h200.jsonl
     python benchmarks/grpo_step.py --model qwen2-0.5b --strategies bf16,jet --micro-batch 64 --checkpointing \
         --out benchmarks/results/grpo_step_h200.jsonl      # issue #11's memory target: micro-batches of 64 rows < 40 GB
+    python benchmarks/grpo_step.py --model qwen2-0.5b --strategies bf16,jet --cuda-graphs \
+        --out benchmarks/results/grpo_step_h200.jsonl      # the trainer's log-probs from CUDA graphs (host-bound at 0.5B)
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
   rollout:  the engine generates samples x new-tokens per prompt (EOS ignored: every row generates the same tokens)
@@ -24,7 +26,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from rollout import build                                          # benchmarks/rollout.py: the random model shapes
 from jetrl.grpo import GRPOConfig, group_advantages, grpo_loss
-from jetrl.policy import Policy, token_log_probs
+from jetrl.policy import Policy, GraphedLogProbs, token_log_probs
 from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs, micro_batches
 
 
@@ -33,14 +35,27 @@ def timed(device):
     return time.perf_counter()
 
 
-def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator, sync=None) -> dict:
-    "One GRPO step; returns its phase times and its engine-vs-trainer gap. `sync`: the weight sync (default the policy's)."
+def graphed_old_log_probs(graphed: GraphedLogProbs, rollout, micro_batch: int) -> torch.Tensor:
+    "`recompute_log_probs(model, rollout, micro_batch_size=micro_batch)` with each micro-batch's forward replayed from a graph."
+    P = rollout.prompt_ids.shape[1]
+    with torch.no_grad():
+        parts = [graphed(rollout.input_ids[rows], rollout.attention_mask[rows]).clone()
+                 for rows in micro_batches(len(rollout), micro_batch)]
+    return torch.cat(parts)[:, P - 1:] * rollout.completion_mask
+
+
+def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator, sync=None,
+              graphed: GraphedLogProbs | None = None) -> dict:
+    """One GRPO step; returns its phase times and its engine-vs-trainer gap. `sync`: the weight sync (default the
+    policy's). `graphed`: the trainer's log-probs (old ones and the micro-batches' forward + backward) from CUDA graphs."""
     device, config = policy.device, GRPOConfig(num_generations=params.n)
     t0 = timed(device)
     rollout = engine.generate(prompts, params)                                                   # rollout
     t1 = timed(device)
-    old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch)          # trainer log-probs
+    if graphed is not None: old_logp = graphed_old_log_probs(graphed, rollout, micro_batch)     # trainer log-probs
+    else: old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch)
     t2 = timed(device)
+    log_probs = graphed or (lambda ids, mask: token_log_probs(policy.model, ids, mask))
     rewards = torch.randn(len(rollout), generator=generator)
     advantages, _ = group_advantages(rewards, rollout.group.cpu(), "group")
     advantages, P, tokens = advantages.to(device), rollout.prompt_ids.shape[1], float(rollout.completion_mask.sum())
@@ -48,7 +63,7 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
     batches = micro_batches(len(rollout), micro_batch)
     for i, rows in enumerate(batches):                                                          # loss, backward
         if hasattr(policy.model, "fsdp_before_backward"): policy.model.fsdp_before_backward(i == len(batches) - 1)
-        logp = token_log_probs(policy.model, rollout.input_ids[rows], rollout.attention_mask[rows])[:, P - 1:]
+        logp = log_probs(rollout.input_ids[rows], rollout.attention_mask[rows])[:, P - 1:]
         loss, _ = grpo_loss(logp, old_logp[rows], rollout.logprobs[rows], advantages[rows], rollout.completion_mask[rows],
                             config, loss_normalizer=tokens)
         loss.backward()
@@ -86,10 +101,14 @@ def main(argv=None):
                         "--no-fuse-projections to compare)")
     p.add_argument("--no-fused-grad", action="store_true",
                    help="the FP8 backward's separate quantizer passes instead of jetrl.grad_kernels' fused ones (to compare)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the trainer's log-probs (no grad, and forward + backward) replayed from CUDA graphs (GraphedLogProbs)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
     args = p.parse_args(argv)
+    if args.cuda_graphs and args.distributed:
+        p.error("--cuda-graphs replays kernels, not FSDP's hooks: run it without --distributed")
     if args.no_fused_grad:
         from jetrl.grad_kernels import fused_grad_quantizers
         fused_grad_quantizers(False).__enter__()                     # for the whole process
@@ -118,9 +137,11 @@ def main(argv=None):
                                     generator=torch.Generator().manual_seed(1)).tolist()
             if world: prompts = rank_block(prompts, world)[0]
             generator = torch.Generator().manual_seed(2)
-            warmup = grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync)
+            graphed = GraphedLogProbs(policy.model) if args.cuda_graphs else None
+            run = lambda: grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync, graphed)
+            warmup = run()                                   # captures the engine's graphs (and the trainer's: --cuda-graphs)
             if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
-            steps = [grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync) for _ in range(args.steps)]
+            steps = [run() for _ in range(args.steps)]
             row = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
             if world:
                 row["tokens"] *= world.size                            # every rank generates as many (EOS ignored)
@@ -132,6 +153,7 @@ def main(argv=None):
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
+                        trainer_cuda_graphs=args.cuda_graphs,
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         torch=torch.__version__, command=command, gpus=world.size if world else 1,
@@ -141,7 +163,7 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
                 if args.out:
                     with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
-            del policy, engine, optimizer, model
+            del policy, engine, optimizer, model, graphed
             gc.collect()                                # FSDP2's modules and hooks refer to each other: freed by the collector
             torch.cuda.empty_cache()
 

@@ -139,7 +139,11 @@ def _dgrad_weight(w_fp8: FP8Tensor) -> FP8Tensor:
     """`w_fp8` (N, K) with its bytes stored transposed, as Dgrad's FP8 GEMM reads them: Hopper's FP8 tensor cores take
     both operands K-major, and dx = dy @ W sums along W's rows, so the kernel needs W.T's bytes contiguous. Made once per
     weight update, not once per micro-batch: cached on the FP8 bytes with their version, which an update bumps (the sync
-    writes the new bytes in place). The same values in another layout, so the same dx."""
+    writes the new bytes in place). The same values in another layout, so the same dx. Inside a CUDA graph's capture
+    the copy is made in the graph, so that every replay makes it again from the bytes of the moment (a cached copy, freed
+    or rewritten after the capture, would be read stale)."""
+    if w_fp8.data.is_cuda and torch.cuda.is_current_stream_capturing():
+        return w_fp8._replace(data=w_fp8.data.t().contiguous().t())
     cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
     if cached is None or cached[0] != w_fp8.data._version:
         cached = (w_fp8.data._version, w_fp8.data.t().contiguous())

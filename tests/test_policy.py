@@ -507,3 +507,13 @@ def test_left_padding_changes_nothing(family, tie):
             torch.testing.assert_close(padded[row:row + 1, pad:], alone, rtol=0, atol=1e-5)
         leaked = token_log_probs(model, ids)                                            # pads not masked
         assert (leaked[2:, 9:] - padded[2:, 9:]).abs().max() > 1e-3
+
+
+def test_graphed_log_probs_explain_what_they_need():
+    "CUDA graphs need a GPU model: on the CPU a clear error that names the eager function to call instead."
+    from jetrl.policy import GraphedLogProbs
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(ValueError, match="on cpu: call token_log_probs"):
+        GraphedLogProbs(model)
