@@ -260,8 +260,9 @@ class GraphedLogProbs:
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         self._sync_fp8_weights()
-        key = (tuple(input_ids.shape), tuple(attention_mask.shape), torch.is_grad_enabled())
-        if key not in self._graphs: self._graphs[key] = self._capture(input_ids, attention_mask, key[-1])
+        grad = torch.is_grad_enabled()      # a capture holds the model's train/eval behaviour of its moment: part of the key
+        key = (tuple(input_ids.shape), tuple(attention_mask.shape), grad, self.model.training)
+        if key not in self._graphs: self._graphs[key] = self._capture(input_ids, attention_mask, grad)
         return self._graphs[key](input_ids, attention_mask)
 
 # %% ../nbs/04_policy.ipynb #827e94a4
