@@ -222,14 +222,15 @@ class GraphedLogProbs:
     place, as its first eager forward after an update would be."""
 
     def __init__(self, model: nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+        sharded = [name or "the model" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if sharded:     # FSDP2 gathers and frees weights in module hooks: Python a replay would skip
+            raise ValueError(f"GraphedLogProbs replays kernels, not hooks, and {sharded[0]} is sharded with FSDP (its weights "
+                             "are gathered by hooks before each forward): call token_log_probs for a sharded model.")
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"GraphedLogProbs captures CUDA graphs, and this model is on {device}: call token_log_probs "
                              "on the CPU (a CPU step has no launch cost to save).")
-        hooked = [name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks]
-        if hooked:
-            raise ValueError(f"GraphedLogProbs needs a model without module hooks (a graph replays kernels, not hooks: "
-                             f"FSDP's gathers would be skipped); {hooked[0]!r} has some. Use token_log_probs for a sharded model.")
         from jetrl.linear import fp8_modules
         self.model, self._graphs = model, {}
         self._fp8 = [m for m in fp8_modules(model).values() if m.recipe.is_fp8("fprop")]

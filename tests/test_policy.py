@@ -517,3 +517,26 @@ def test_graphed_log_probs_explain_what_they_need():
                                          num_key_value_heads=1, vocab_size=64))
     with pytest.raises(ValueError, match="on cpu: call token_log_probs"):
         GraphedLogProbs(model)
+
+
+def test_graphed_log_probs_refuse_a_sharded_model():
+    "FSDP2 gathers weights in hooks, which a replayed graph would skip: a clear error (run apart: it needs a process group)."
+    import socket, subprocess, sys, textwrap
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]
+    script = textwrap.dedent(f"""
+        import os, torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from jetrl.policy import GraphedLogProbs
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+        fully_shard(model)
+        try: GraphedLogProbs(model)
+        except ValueError as e: print("REFUSED:", e)
+        dist.destroy_process_group()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "REFUSED:" in done.stdout and "sharded with FSDP" in done.stdout, done.stdout + done.stderr[-2000:]
