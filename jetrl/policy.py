@@ -186,7 +186,9 @@ def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         rows = slice(start, start + LOGPROB_CHUNK_TOKENS)
         args = (head, flat_hidden[rows], flat_targets[rows], temperature, with_entropy)
         if torch.is_grad_enabled() and flat_hidden.requires_grad:     # keep only the chunk's input for backward
-            logp, entropy = torch.utils.checkpoint.checkpoint(_head_log_probs, *args, use_reentrant=False)
+            # no RNG in the head: nothing to save and restore (and a CUDA graph's capture may not read the RNG state)
+            logp, entropy = torch.utils.checkpoint.checkpoint(_head_log_probs, *args, use_reentrant=False,
+                                                              preserve_rng_state=False)
         else:
             logp, entropy = _head_log_probs(*args)
         logps.append(logp); entropies.append(entropy)

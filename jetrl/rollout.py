@@ -249,7 +249,10 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
         def block(h, layer=layer, kv=kv):
             h = h + _attention_block(layer.self_attn, layer.input_layernorm(h), cos, sin, columns, key_valid, kv, invariant, fused)
             return h + _mlp(layer.mlp, layer.post_attention_layernorm(h), fused)
-        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if checkpointing else block(h)
+        # checkpointed, a layer saves no RNG state: it draws no random numbers (no dropout here), and a CUDA graph's
+        # capture may not read that state
+        if checkpointing: h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, preserve_rng_state=False)
+        else: h = block(h)
     return h
 
 def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
