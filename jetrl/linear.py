@@ -289,6 +289,19 @@ class FP8Linear(nn.Linear):
         self._synced = (self.weight._version, self.recipe, fresh, kernel_scale)
         return fresh
 
+    def _current_fp8_weight(self) -> tuple:
+        "(FP8 weight, kernel-layout scales) of the current master weight: the sync cache, refreshed in place if stale."
+        if _ASSUME_SYNCED and self._synced is not None and self._synced[1] == self.recipe:
+            return self._synced[2:]   # vouched for by the caller: no version check, so torch.compile traces straight through
+        return self._checked_fp8_weight()
+
+    @torch.compiler.disable      # the version counter is not traceable: under torch.compile this runs eagerly (a graph break)
+    def _checked_fp8_weight(self) -> tuple:
+        synced = self._synced_weight()
+        if synced is None:            # the cache as the sync leaves it (not read back through the version check)
+            self.sync_fp8_weight(); synced = self._synced[2:]
+        return synced
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.quantizes:
             if self.row_invariant_hp: return linear_invariant(x, self.weight, self.bias)
@@ -296,14 +309,11 @@ class FP8Linear(nn.Linear):
         if not torch.is_grad_enabled() and self.recipe.is_fp8("fprop"):   # rollout / evaluation: Fprop only
             # a stale cache is refreshed (in place), not bypassed: no-grad passes after an update (the trainer's new
             # log-probs, micro-batch by micro-batch) then quantize each weight once, not once per call
-            if self._synced_weight() is None: self.sync_fp8_weight()
-            w_fp8, w_kernel_scale = self._synced_weight()
+            w_fp8, w_kernel_scale = self._current_fp8_weight()
             return fp8_fprop(x, w_fp8, self.bias, self.recipe, w_kernel_scale)[0]
         # training: the weight is quantized once per update, not once per micro-batch (the sync cache, refreshed in place)
         w_fp8 = w_kernel_scale = None
-        if self.recipe.is_fp8("fprop"):
-            if self._synced_weight() is None: self.sync_fp8_weight()
-            w_fp8, w_kernel_scale = self._synced_weight()
+        if self.recipe.is_fp8("fprop"): w_fp8, w_kernel_scale = self._current_fp8_weight()
         return FP8LinearFunction.apply(x, self.weight, self.bias, self.recipe, w_fp8, w_kernel_scale)
 
     def extra_repr(self) -> str: return f"{super().extra_repr()}, recipe={self.recipe.name}"

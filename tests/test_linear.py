@@ -275,6 +275,37 @@ def test_dgrad_reads_one_transposed_fp8_weight_per_update(monkeypatch):
     assert torch.equal(dx(), third)                                    # a fresh transpose each time: the same dx
 
 
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_compiled_training_step_equals_eager(kernel_path, monkeypatch):
+    """torch.compile (Dynamo tracing, AOT autograd) of an FP8Linear's forward + backward gives eager's dx and dW, and
+    re-quantizes no weight while the master weight is unchanged. `kernel_path`: the real FP8 GEMM's route (faked here:
+    its layout rules, an fp32 product), where Dgrad reads the cached transposed weight."""
+    if kernel_path:
+        import jetrl.fp8
+        monkeypatch.setattr(jetrl.linear, "has_fp8_kernel", lambda device, layout: layout is not None)
+        monkeypatch.setattr(jetrl.fp8, "has_fp8_kernel", lambda device, layout: layout is not None)
+        monkeypatch.setattr(jetrl.linear, "_runs_invariant_fprop", lambda *args: False)
+        monkeypatch.setattr(F, "scaled_mm", lambda a, b, *scales, output_dtype=torch.float32, **kw:
+                            (a.float() @ b.float()).to(output_dtype))
+    torch.manual_seed(0)
+    layer = FP8Linear(256, 384, bias=True, recipe="blockwise")
+    x = torch.randn(2, 64, 256, requires_grad=True)
+    def grads(module):
+        x.grad = layer.weight.grad = None
+        module(x).square().sum().backward()
+        return x.grad.clone(), layer.weight.grad.clone()
+    eager = grads(layer)
+    syncs = []
+    sync = FP8Linear.sync_fp8_weight
+    monkeypatch.setattr(FP8Linear, "sync_fp8_weight", lambda self: syncs.append(1) or sync(self))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=False)
+    for call in range(4):
+        if call == 2: syncs.clear()                  # the first calls trace and compile (and may run the sync's Python)
+        dx, dw = grads(compiled)
+        assert torch.equal(dx, eager[0]) and torch.equal(dw, eager[1])
+    assert not syncs, "compiled calls re-quantized an unchanged weight"
+
+
 # ---- saved activations -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, K, scale_bytes_per_row", [("blockwise", 512, 4 * 4), ("blockwise", 200, 2 * 4),
