@@ -35,15 +35,6 @@ def timed(device):
     return time.perf_counter()
 
 
-def graphed_old_log_probs(graphed: GraphedLogProbs, rollout, micro_batch: int) -> torch.Tensor:
-    "`recompute_log_probs(model, rollout, micro_batch_size=micro_batch)` with each micro-batch's forward replayed from a graph."
-    P = rollout.prompt_ids.shape[1]
-    with torch.no_grad():
-        parts = [graphed(rollout.input_ids[rows], rollout.attention_mask[rows]).clone()
-                 for rows in micro_batches(len(rollout), micro_batch)]
-    return torch.cat(parts)[:, P - 1:] * rollout.completion_mask
-
-
 def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator, sync=None,
               graphed: GraphedLogProbs | None = None) -> dict:
     """One GRPO step; returns its phase times and its engine-vs-trainer gap. `sync`: the weight sync (default the
@@ -52,8 +43,7 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
     t0 = timed(device)
     rollout = engine.generate(prompts, params)                                                   # rollout
     t1 = timed(device)
-    if graphed is not None: old_logp = graphed_old_log_probs(graphed, rollout, micro_batch)     # trainer log-probs
-    else: old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch)
+    old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch, log_probs=graphed)  # trainer log-probs
     t2 = timed(device)
     log_probs = graphed or (lambda ids, mask: token_log_probs(policy.model, ids, mask))
     rewards = torch.randn(len(rollout), generator=generator)

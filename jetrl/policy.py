@@ -219,9 +219,9 @@ class _LogProbsModule(nn.Module):
 class GraphedLogProbs:
     """`token_log_probs(model, ids, mask)` replayed from CUDA graphs, one capture per (shape, grad): each call copies
     ids and mask into the captured inputs and replays. With grad, the backward is a graph too and the gradients reach
-    the parameters' `.grad`. A call's output is the graph's own buffer, valid until the next call of the same shape
-    (take what you keep with `.clone()`). Before each replay every FP8Linear whose master weight changed is synced in
-    place, as its first eager forward after an update would be."""
+    the parameters' `.grad`; that output is the graph's own buffer, valid until the next call of the same shape (the
+    loss is taken from it at once). Without grad, a copy is returned. Before each replay every FP8Linear whose master
+    weight changed is synced in place, as its first eager forward after an update would be."""
 
     def __init__(self, model: nn.Module):
         from torch.distributed.fsdp import FSDPModule
@@ -238,8 +238,7 @@ class GraphedLogProbs:
         self._fp8 = [m for m in fp8_modules(model).values() if m.recipe.is_fp8("fprop")]
 
     def _sync_fp8_weights(self):
-        for m in self._fp8:
-            if m._synced_weight() is None: m.sync_fp8_weight()           # the bytes written in place: graphs read them
+        for m in self._fp8: m._current_fp8_weight()       # a stale cache re-quantized in place: the graphs read those bytes
 
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool):
         static_ids, static_mask = input_ids.clone(), attention_mask.clone()
@@ -258,7 +257,7 @@ class GraphedLogProbs:
         def replay(ids, mask):
             static_ids.copy_(ids); static_mask.copy_(mask)
             graph.replay()
-            return static_logp
+            return static_logp.clone()
         return replay
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

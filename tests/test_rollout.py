@@ -313,3 +313,17 @@ def test_fused_projection_refuses_what_cannot_be_laid_side_by_side():
     assert "recipes" in FusedProjection.why_not([FP8Linear.from_linear(lin(256, 256)),
                                                  FP8Linear.from_linear(lin(256, 128), "tensorwise")])
     assert "not all" in FusedProjection.why_not([FP8Linear.from_linear(lin(256, 256)), lin(256, 128)])
+
+
+def test_recompute_log_probs_takes_another_forward(tokenizer):
+    "A caller's forward (e.g. GraphedLogProbs on a GPU) in place of token_log_probs: the same values; no temperature."
+    from jetrl.policy import token_log_probs
+    policy = Policy(make_model(tokenizer), tokenizer, "jet")
+    rollout = RolloutEngine(policy, chat_template=False).generate(PROMPTS[:1], SamplingParams(n=4, max_new_tokens=8, seed=0))
+    calls = []
+    def forward(ids, mask):
+        calls.append(ids.shape[0]); return token_log_probs(policy.model, ids, mask)
+    mine = recompute_log_probs(policy.model, rollout, micro_batch_size=3, log_probs=forward)
+    assert calls == [3, 1] and torch.equal(mine, recompute_log_probs(policy.model, rollout, micro_batch_size=3))
+    with pytest.raises(ValueError, match="temperature 1, no entropy"):
+        recompute_log_probs(policy.model, rollout, temperature=0.7, log_probs=forward)
