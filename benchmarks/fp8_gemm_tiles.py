@@ -13,7 +13,8 @@ import argparse, json, math, sys, platform
 import torch
 
 from jetrl.fp8 import quantize, fp8_mm, kernel_weight_scale
-from jetrl.kernels import quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles, tma_loads_possible, loads_through_tma, DECODE_MAX_ROWS, TILE_ROWS
+from jetrl.kernels import (quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles, tma_loads_possible, loads_through_tma,
+                           next_power_of_2, DECODE_MAX_ROWS, TILE_ROWS)
 
 SHAPES = {   # (N, K) per linear; q/k/v and gate/up also fused (their weights concatenated along N)
     "qwen2-7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "qkv": (4608, 3584), "gate/up": (18944, 3584),
@@ -55,8 +56,8 @@ def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
     default = fp8_gemm_tiles(M, N, K)
     reference = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale, None, reference, default)
-    if M <= DECODE_MAX_ROWS:        # all rows in one tile, or (past 128 rows) in 128-row tiles: the weight read twice
-        row_tiles = sorted({default[0], min(default[0], 2 * TILE_ROWS)})
+    if M <= DECODE_MAX_ROWS:        # all rows in one tile, or (past 64 rows) in 128-row tiles: the weight read twice
+        row_tiles = sorted({default[0], max(TILE_ROWS, min(DECODE_MAX_ROWS, next_power_of_2(M)))})
         candidates = [(bm, bn, warps, stages, 1) for bm in row_tiles for bn in DECODE_BLOCK_N for warps in (4, 8)
                       for stages in (3, 5)]
     else:

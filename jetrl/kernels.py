@@ -247,26 +247,27 @@ def fp8_gemm_invariant(a: FP8Tensor, w: FP8Tensor, out_dtype: torch.dtype = torc
 def fp8_gemm_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages, GROUP_M) of the FP8 GEMM for (M, K) x (N, K): the fastest measured on an H200
     (`benchmarks/fp8_gemm_tiles.py`, `benchmarks/fp8_gemm_trainer.py`). No choice changes a bit (BLOCK_M >= 64).
-    Decode (at most `DECODE_MAX_ROWS` rows) puts all rows in one tile and the columns in narrow strips, so that many
-    SMs stream the weight once; many rows (prefill, the trainer) get tiles of 64 x 128 with one warp group, visited in
-    groups: the tile's 128 columns are one weight block, so each K block's rescale is one multiply per row (measured
+    Decode (at most `DECODE_MAX_ROWS` rows) puts its rows in one or two tiles and the columns in narrow strips, so
+    that many SMs stream the weight once or twice; many rows (prefill, the trainer) get tiles of 64 x 128 with one warp
+    group, visited in groups: the tile's 128 columns are one weight block, so each K block's rescale is one multiply per row (measured
     1.14-1.26x the 128 x 64 tiles' per-element rescale at the 7B trainer shapes, 1.21-1.59x at 0.5B:
     `benchmarks/fp8_gemm_trainer.py --next`)."""
     if M <= DECODE_MAX_ROWS:
-        block_m = min(DECODE_MAX_ROWS, max(TILE_ROWS, next_power_of_2(M)))
         stages = 5 if K > 8192 else 3
-        if block_m == 2 * TILE_ROWS:          # 65-128 rows, loaded through TMA (`loads_through_tma`) by one warp group
-            return block_m, 64 if N > 4096 and K <= 8192 else 32, 4, stages, 1
-        block_n = 32 if N <= 4608 and (K <= 8192 or block_m == TILE_ROWS) else 64
-        warps = 8 if block_m > TILE_ROWS or block_n == 32 else 4
-        return block_m, block_n, warps, stages, 1
+        if M > TILE_ROWS:     # 65-256 rows: 128-row tiles loaded through TMA (`loads_through_tma`) by one warp group
+            if M > 2 * TILE_ROWS: block_n = 64 if N > 1024 else 32     # two row tiles: strips twice as wide fill the SMs
+            else: block_n = 64 if N > 4096 and K <= 8192 else 32
+            return 2 * TILE_ROWS, block_n, 4, stages, 1
+        block_n = 32 if N <= 4608 else 64
+        return TILE_ROWS, block_n, 8 if block_n == 32 else 4, stages, 1
     return 64, 128, 4, 4, 8
 
 def loads_through_tma(M: int, tiles: tuple[int, int, int, int, int]) -> bool:
     """Whether the FP8 GEMM's default launch loads its tiles through tensor descriptors (where `tma_loads_possible`):
-    the trainer's many-row tiles and the 128-row decode tile, where TMA was measured faster (`fp8_gemm_trainer.py`;
-    `fp8_gemm_tiles.py`: 7B shapes at 128 rows 1.04-1.62x the pointer-loaded tiles of before). 64-row tiles read as fast
-    by pointers, 256-row decode tiles were not measured with TMA: both keep pointer loads. The bits are the same."""
+    the trainer's many-row tiles and the 128-row decode tiles (65-256 rows), where TMA was measured faster
+    (`fp8_gemm_trainer.py`; `fp8_gemm_tiles.py`: 7B shapes at 128 rows 1.04-1.62x the pointer-loaded tiles of before,
+    at 256 rows 1.7-3.0x the pointer-loaded 256-row tiles). 64-row tiles read as fast by pointers and keep them.
+    The bits are the same."""
     return M > DECODE_MAX_ROWS or tiles[0] == 2 * TILE_ROWS
 
 TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride must be multiples of this

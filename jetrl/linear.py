@@ -123,8 +123,9 @@ def _input_quantizer(recipe: FP8Recipe) -> tuple: return recipe.block("x", "fpro
 
 def _shared_input_fp8(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor | None:
     """The FP8 copy of x the previous training Fprop made, if it read this very tensor, unchanged, with the same quantizer:
-    q/k/v (and gate/up) read one input, so it is quantized once and saved for backward once, not three (two) times."""
-    if _last_input is None: return None
+    q/k/v (and gate/up) read one input, so it is quantized once and saved for backward once, not three (two) times.
+    Eager only: under torch.compile the weak references would be side effects out of the traced graph."""
+    if _last_input is None or torch.compiler.is_compiling(): return None
     x_ref, version, quantizer, data, scale, block, fmt = _last_input
     if x_ref() is not x or version != x._version or quantizer != _input_quantizer(recipe): return None
     data, scale = data(), scale()                     # alive while a graph saves them
@@ -132,6 +133,7 @@ def _shared_input_fp8(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor | None:
 
 def _remember_input_fp8(x: torch.Tensor, recipe: FP8Recipe, x_fp8: FP8Tensor):
     global _last_input
+    if torch.compiler.is_compiling(): return
     _last_input = (weakref.ref(x), x._version, _input_quantizer(recipe), weakref.ref(x_fp8.data), weakref.ref(x_fp8.scale),
                    x_fp8.block, x_fp8.fmt)
 

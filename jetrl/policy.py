@@ -12,7 +12,7 @@ __all__ = ['HP_DTYPES', 'STRATEGIES', 'LOGPROB_CHUNK_TOKENS', 'GRAPH_WARMUP_CALL
            'tokenizer_file_mismatch', 'load_model_and_tokenizer', 'load_policy']
 
 # %% ../nbs/04_policy.ipynb #e77fa0db
-import copy, json, os, shutil, time, warnings
+import contextlib, copy, json, os, shutil, time, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
@@ -216,12 +216,26 @@ class _LogProbsModule(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return token_log_probs(self.model, input_ids, attention_mask)
 
+@contextlib.contextmanager
+def _stale_streams_redirected():
+    "Let a backward capture redirect gradient accumulators that an eager call left on the default stream (torch >= 2.12)."
+    override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    if override is None: yield; return
+    before = torch._C._override_stale_capture_stream()
+    override(True)
+    try: yield
+    finally: override(before)
+
 class GraphedLogProbs:
     """`token_log_probs(model, ids, mask)` replayed from CUDA graphs, one capture per (shape, grad): each call copies
     ids and mask into the captured inputs and replays. With grad, the backward is a graph too and the gradients reach
     the parameters' `.grad`; that output is the graph's own buffer, valid until the next call of the same shape (the
     loss is taken from it at once). Without grad, a copy is returned. Before each replay every FP8Linear whose master
-    weight changed is synced in place, as its first eager forward after an update would be."""
+    weight changed is synced in place, as its first eager forward after an update would be.
+    A capture with grad (the first call of each shape) must not meet a live autograd graph of an eager call of the model
+    (a loss or log-probs not yet freed or detached): its parameters' gradient accumulators remember the default stream,
+    and a capture cannot wait on that stream. Where torch has `set_override_stale_capture_stream` (2.12 and later) the
+    capture redirects them itself; before, free the eager graph first."""
 
     def __init__(self, model: nn.Module):
         from torch.distributed.fsdp import FSDPModule
@@ -243,9 +257,9 @@ class GraphedLogProbs:
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool):
         static_ids, static_mask = input_ids.clone(), attention_mask.clone()
         if grad:
-            graphed = torch.cuda.make_graphed_callables(_LogProbsModule(self.model), (static_ids, static_mask),
-                                                        num_warmup_iters=GRAPH_WARMUP_CALLS, allow_unused_input=True)
-            return graphed
+            with _stale_streams_redirected():
+                return torch.cuda.make_graphed_callables(_LogProbsModule(self.model), (static_ids, static_mask),
+                                                         num_warmup_iters=GRAPH_WARMUP_CALLS, allow_unused_input=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():

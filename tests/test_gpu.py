@@ -565,6 +565,7 @@ def test_graphed_log_probs_equal_eager_across_updates(strategy):
     for update in range(3):
         eager = token_log_probs(policy.model, ids, mask)
         eager.square().mean().backward()
+        eager = eager.detach()          # the eager graph freed: a capture cannot wait on its default-stream accumulators
         eager_grads = [p.grad.clone() for p in params]
         optimizer.zero_grad()
         replayed = graphed(ids, mask)

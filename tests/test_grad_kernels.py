@@ -262,7 +262,7 @@ def test_bad_inputs_fail_before_any_work():
 @needs_kernels
 def test_fp8_gemm_default_launch_gives_a_row_the_same_bits_at_every_row_count():
     """The forward's FP8 GEMM (jetrl.kernels) at the row counts where its launch changes: the 64-row decode tile (pointer
-    loads), the 128-row decode tile (TMA, one warp group), the 256-row tile (pointer loads) and the trainer's 64 x 128
+    loads), the 128-row decode tiles (TMA, one warp group; one or two row tiles) and the trainer's 64 x 128
     TMA tiles reading one weight scale per K block; every row must keep the bits it has among 300 rows. Ragged K and N
     (3 K blocks, the last partial; 200 columns: the last weight block partial)."""
     from jetrl.fp8 import quantize, kernel_weight_scale
@@ -276,7 +276,7 @@ def test_fp8_gemm_default_launch_gives_a_row_the_same_bits_at_every_row_count():
     launches = set()
     for rows in (1, 64, 65, 128, 129, DECODE_MAX_ROWS):
         tiles = fp8_gemm_tiles(rows, N, K)
-        launches.add((tiles[0], loads_through_tma(rows, tiles)))
+        launches.add((tiles[0], loads_through_tma(rows, tiles), -(-rows // tiles[0])))   # (rows, TMA, row tiles)
         part = FP8Tensor(x.data[:rows], x.scale[:rows], x.block, x.fmt)
         assert torch.equal(fp8_gemm_invariant(part, w, torch.bfloat16), full[:rows]), f"{rows} rows ({tiles}): other bits"
-    assert launches == {(64, False), (128, True), (256, False)}                 # every decode launch was exercised
+    assert launches == {(64, False, 1), (128, True, 1), (128, True, 2)}       # every decode launch was exercised
