@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--exact", action="store_true",
                        help="GPU: batch-invariant kernels for every op, so the rollout's log-probs equal the trainer's bit for bit "
                             "(jet is already exact by default; bf16 pays ~1.4x on the rollout)")
+        s.add_argument("--cuda-graphs", action="store_true",
+                       help="GPU: replay the trainer's log-probs and backward from CUDA graphs (saves the host's launch time "
+                            "of a small model; not under torchrun)")
         s.add_argument("--out", required=True, help="output folder")
         s.add_argument("--resume", action="store_true", help="continue the run in --out after its last checkpoint")
     return p
@@ -118,7 +121,7 @@ def config_from_args(args, strategy: str) -> TrainConfig:
     return TrainConfig(model=args.model, task=args.task or "arithmetic", task_knobs=args.task_knobs, strategy=strategy, steps=args.steps,
                        prompts_per_step=args.prompts_per_step, grpo=grpo, max_new_tokens=args.max_new_tokens, lr=args.lr,
                        micro_batch_size=args.micro_batch_size, seed=args.seed, save_every=args.save_every,
-                       backend=args.backend, hp_dtype=args.hp_dtype, exact=args.exact)
+                       backend=args.backend, hp_dtype=args.hp_dtype, exact=args.exact, cuda_graphs=args.cuda_graphs)
 
 def _data_args(args) -> dict:
     "train()'s dataset and reward_funcs from --dataset and --reward, checked for the combinations that make no sense."

@@ -711,16 +711,13 @@ def recompute_log_probs(model: nn.Module, rollout: Rollout, temperature: float =
                         with_entropy: bool = False, log_probs=None):
     """The trainer's view: log-probs of the rollout's completion tokens, recomputed by full forwards (in micro-batches
     of `micro_batch_size` rows), no grad: (B, C), 0 where masked; with `with_entropy`, also each position's entropy (B, C).
-    `log_probs`: a micro-batch's (ids, mask) -> (b, T - 1) log-probs in place of `token_log_probs(model, ...)`, e.g. a
-    `GraphedLogProbs` of the model (temperature 1, no entropy)."""
+    `log_probs`: the model's forward in place of `token_log_probs(model, ...)`, called as it is (a micro-batch's ids,
+    mask, temperature, with_entropy), e.g. a `GraphedLogProbs` of the model."""
     from jetrl.policy import token_log_probs
-    if log_probs is not None and (temperature != 1.0 or with_entropy):
-        raise ValueError("recompute_log_probs(log_probs=...) computes plain log-probs (temperature 1, no entropy): "
-                         "drop `log_probs` to get a temperature or the entropy from token_log_probs.")
-    forward = log_probs or (lambda ids, mask: token_log_probs(model, ids, mask, temperature, with_entropy))
+    forward = log_probs or (lambda *args: token_log_probs(model, *args))
     P, parts = rollout.prompt_ids.shape[1], []
     for rows in micro_batches(len(rollout), micro_batch_size):
-        out = forward(rollout.input_ids[rows], rollout.attention_mask[rows])
+        out = forward(rollout.input_ids[rows], rollout.attention_mask[rows], temperature, with_entropy)
         parts.append(out if with_entropy else (out,))
     logp = torch.cat([p[0] for p in parts])[:, P - 1:] * rollout.completion_mask                # (B, C)
     if not with_entropy: return logp

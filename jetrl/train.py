@@ -20,7 +20,7 @@ import torch
 from .grpo import GRPOConfig, group_advantages, grpo_loss, high_entropy_mask
 from .mismatch import mismatch_metrics, mismatch_by_position, kl_to_prev_policy, ratio_stats
 from .policy import (Policy, PrecisionSpec, HP_DTYPES, get_strategy, load_model_and_tokenizer, save_checkpoint, load_checkpoint,
-                          token_log_probs, recover_checkpoint, read_checkpoint_meta)
+                          token_log_probs, recover_checkpoint, read_checkpoint_meta, GraphedLogProbs)
 from .rollout import RolloutEngine, SamplingParams, Rollout, recompute_log_probs, micro_batches
 from .tasks import Task, RewardSet, combine_rewards, get_task
 from .data import (DatasetTask, SEED_STRIDE, check_reward_function, check_task, dataset_rows, describe_task,
@@ -55,6 +55,7 @@ class TrainConfig:
     backend: str = "jetrl"                     # rollout engine: 'jetrl' (embedded) or 'vllm' (jetrl.vllm_backend)
     hp_dtype: str | None = None                # high precision of both sides; None: the strategy's (bf16 on GPU, fp32 on CPU)
     exact: bool = False                        # GPU: batch-invariant kernels everywhere, rollout log-probs == trainer's bit for bit
+    cuda_graphs: bool = False                  # GPU: the trainer's log-probs and backward replayed from CUDA graphs (GraphedLogProbs)
 
     def __post_init__(self):
         finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)             # refuses NaN and +-inf
@@ -336,6 +337,7 @@ class Run:
     start_step: int = 0
     history: list = field(default_factory=list)
     ref_model: torch.nn.Module | None = None     # frozen initial policy, kept only when grpo.beta > 0
+    log_probs: Callable | None = None            # the trainer's forward under cuda_graphs (a GraphedLogProbs), else None: token_log_probs
 
     def batch(self, step: int) -> list[dict]:
         "This step's prompts: a task sample seeded by (run seed, step), the same for every strategy."
@@ -372,6 +374,10 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
               dataset=None, reward_funcs=None) -> Run:
     "Set up a run: task and rewards (checked first), seeds, policy, engine, optimizer, output folder (and resume)."
     config, spec = resolve_strategy(config, policy)
+    trainer_device = next(policy.model.parameters()).device.type if policy is not None else "cuda" if torch.cuda.is_available() else "cpu"
+    if config.cuda_graphs and trainer_device != "cuda":                  # before any folder is made
+        raise ValueError(f"cuda_graphs captures the trainer's CUDA graphs, and this run trains on the {trainer_device}: "
+                         "train without cuda_graphs (--cuda-graphs); a CPU step has no launch cost to save.")
     config, task, rewards = task_and_rewards(config, dataset, reward_funcs)
     out_dir = Path(out_dir) if out_dir is not None else None
     plan = plan_run_folder(out_dir, config, resume, reward_record(rewards)) if out_dir is not None else RunFolderPlan(0)
@@ -383,9 +389,11 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     if policy is None:
         model, tokenizer = load_model_and_tokenizer(config.model)
         policy = Policy(model, tokenizer, spec, device="cuda" if torch.cuda.is_available() else "cpu", exact=config.exact)
+    log_probs = GraphedLogProbs(policy.model) if config.cuda_graphs else None     # refuses a CPU model, with the fix
     optimizer = make_optimizer(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
-    run = Run(config, policy, rollout_engine(policy, config.backend), optimizer, scheduler, task, rewards, out_dir, start_step)
+    run = Run(config, policy, rollout_engine(policy, config.backend), optimizer, scheduler, task, rewards, out_dir, start_step,
+              log_probs=log_probs)
     if config.grpo.beta > 0:                                             # the KL reference: the policy before any update
         run.ref_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
     if out_dir is not None:
@@ -426,10 +434,10 @@ def contributing_mask(rollout: Rollout, grpo: GRPOConfig) -> torch.Tensor:
     return mask
 
 def trainer_log_probs(policy: Policy, rollout: Rollout, temperature: float, micro_batch_size: int = 0,
-                      with_entropy: bool = False):
-    "The training side's log-probs of the completion tokens, no grad: (B, C) (and the entropy)."
+                      with_entropy: bool = False, log_probs: Callable | None = None):
+    "The training side's log-probs of the completion tokens, no grad: (B, C) (and the entropy). `log_probs`: Run.log_probs."
     with torch.no_grad():
-        return recompute_log_probs(policy.model, rollout, temperature, micro_batch_size, with_entropy)
+        return recompute_log_probs(policy.model, rollout, temperature, micro_batch_size, with_entropy, log_probs)
 
 def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor | None = None,
              step: int = 0, totals: tuple | None = None) -> dict:
@@ -437,6 +445,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     (shuffled, seeded by the step): GRPO loss, backward accumulated over micro-batches, clip, step. Returns loss statistics.
     `totals`: (tokens that count, rows) of the whole batch when `rollout` is one rank's part of it (08a)."""
     config, grpo, policy, P = run.config, run.config.grpo, run.policy, rollout.prompt_ids.shape[1]
+    forward = run.log_probs or (lambda *args: token_log_probs(policy.model, *args))
     mask = contributing_mask(rollout, grpo)                                               # (B, C)
     entropy_mask = high_entropy_mask(entropy, mask, grpo.top_entropy_quantile) if grpo.top_entropy_quantile < 1 else None
     order = torch.arange(len(rollout))
@@ -455,7 +464,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
                 if hasattr(policy.model, "fsdp_before_backward"): policy.model.fsdp_before_backward(i == len(parts) - 1)   # 08a
                 rows = share[part]
                 ids, attention = rollout.input_ids[rows], rollout.attention_mask[rows]
-                logp = token_log_probs(policy.model, ids, attention, config.temperature)[:, P - 1:]
+                logp = forward(ids, attention, config.temperature)[:, P - 1:]
                 ref_logp = None
                 if run.ref_model is not None:
                     with torch.no_grad(): ref_logp = token_log_probs(run.ref_model, ids, attention, config.temperature)[:, P - 1:]
@@ -463,7 +472,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
                                         loss_normalizer=tokens_per_step, entropy_mask=None if entropy_mask is None else entropy_mask[rows])
                 if grpo.loss_type not in ("dapo", "cispo"): loss = loss * len(rows) / (len(share) * total_rows / len(rollout))   # a mean over the share's rows (all ranks')
                 loss.backward()
-                loss_sum += loss.item(); logps.append(logp.detach())
+                loss_sum += loss.item(); logps.append(logp.detach().clone())   # a graph's output is rewritten by its next replay
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), config.max_grad_norm)
             run.optimizer.step()
             losses.append(loss_sum)
@@ -494,9 +503,9 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
         rollout = run.engine.generate([r["prompt"] for r in rows], run.sampling(step), **row_streams(run.engine)); t["rollout"] = time.perf_counter()  # rollout
         scores = run.rewards.score(rollout.prompts, rollout.completions, **reward_arguments(rows, G, completion_ids(rollout), step, config.steps)); t["reward"] = time.perf_counter()  # reward
         advantages, adv_stats = group_advantages(torch.tensor(scores.total), rollout.group.cpu(), config.grpo.scale_rewards)  # advantage
-        old_logp, entropy = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, with_entropy=True)  # trainer log-probs
+        old_logp, entropy = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, True, run.log_probs)  # trainer log-probs
         loss_stats = optimize(run, rollout, old_logp, advantages.to(old_logp.device), entropy, step); t["train"] = time.perf_counter()  # loss, step
-        new_logp = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size)  # drift: new policy, same tokens
+        new_logp = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, log_probs=run.log_probs)  # drift: new policy, same tokens
         sync = policy.sync_weights(); t["sync"] = time.perf_counter()                           # sync
         metrics = step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, policy.tokenizer)  # metrics
         run.history.append(metrics)

@@ -276,12 +276,17 @@ def test_dgrad_reads_one_transposed_fp8_weight_per_update(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel_path", [False, True])
-@pytest.mark.parametrize("recipe, bias", [("blockwise", True), ("blockwise", False), ("rowwise", False), ("tensorwise", True)])
-def test_compiled_training_step_equals_eager(kernel_path, recipe, bias, monkeypatch):
-    """torch.compile (Dynamo tracing, AOT autograd) of an FP8Linear's forward + backward gives eager's dx and dW, and
-    re-quantizes no weight while the master weight is unchanged. `kernel_path`: the real FP8 GEMM's route (faked here:
-    its layout rules, an fp32 product), where Dgrad reads the cached transposed weight. Every recipe of
-    `benchmarks/linear.py`: rowwise failed to trace there while the input-sharing cache ran under compile."""
+@pytest.mark.parametrize("recipe, bias, weight_in_graph", [("blockwise", True, True), ("blockwise", False, True),
+                                                            ("rowwise", False, True), ("tensorwise", True, True),
+                                                            ("blockwise", True, False), ("rowwise", False, False)])
+def test_compiled_training_step_equals_eager(kernel_path, recipe, bias, weight_in_graph, monkeypatch):
+    """torch.compile (Dynamo tracing, AOT autograd) of two FP8Linears' forward + backward gives eager's dx and dW, before
+    and after a weight update. `weight_in_graph`: as on a GPU, the weight is quantized inside the graph, and the whole
+    step is one graph (fullgraph; the sync cache's version check broke it at every layer); else, as on the CPU, through
+    the cache. `kernel_path`: the real FP8 GEMM's route (faked here: its layout rules, an fp32 product), where Dgrad reads
+    the transposed weight. Every recipe of `benchmarks/linear.py`: rowwise failed to trace there while the input-sharing
+    cache ran under compile."""
+    if weight_in_graph: monkeypatch.setattr("jetrl.linear.WEIGHT_QUANTIZED_IN_GRAPH_ON", ("cuda", "cpu"))
     if kernel_path:
         import jetrl.fp8
         monkeypatch.setattr(jetrl.linear, "has_fp8_kernel", lambda device, layout: layout is not None)
@@ -290,23 +295,20 @@ def test_compiled_training_step_equals_eager(kernel_path, recipe, bias, monkeypa
         monkeypatch.setattr(F, "scaled_mm", lambda a, b, *scales, output_dtype=torch.float32, **kw:
                             (a.float() @ b.float()).to(output_dtype))
     torch.manual_seed(0)
-    layer = FP8Linear(256, 384, bias=bias, recipe=recipe)
+    model = nn.Sequential(FP8Linear(256, 384, bias=bias, recipe=recipe), nn.GELU(), FP8Linear(384, 256, bias=bias, recipe=recipe))
     x = torch.randn(2, 64, 256, requires_grad=True)
     def grads(module):
-        x.grad = layer.weight.grad = None
+        x.grad = None; model.zero_grad()
         module(x).square().sum().backward()
-        return x.grad.clone(), layer.weight.grad.clone()
-    eager = grads(layer)
-    syncs = []
-    sync = FP8Linear.sync_fp8_weight
-    monkeypatch.setattr(FP8Linear, "sync_fp8_weight", lambda self: syncs.append(1) or sync(self))
+        return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
     monkeypatch.setattr("jetrl.linear._last_input", None)       # as in a fresh process: no input remembered by an eager call
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=False)
-    for call in range(4):
-        if call == 2: syncs.clear()                  # the first calls trace and compile (and may run the sync's Python)
-        dx, dw = grads(compiled)
-        assert torch.equal(dx, eager[0]) and torch.equal(dw, eager[1])
-    assert not syncs, "compiled calls re-quantized an unchanged weight"
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=weight_in_graph)
+    for update in range(2):
+        eager = grads(model)
+        for call in range(2):
+            assert all(torch.equal(c, e) for c, e in zip(grads(compiled), eager)), f"update {update}, call {call}"
+        with torch.no_grad():
+            for p in model.parameters(): p.add_(torch.randn_like(p) * 1e-2)     # an optimizer step's in-place update
 
 
 # ---- saved activations -----------------------------------------------------------------------------------------------

@@ -316,14 +316,18 @@ def test_fused_projection_refuses_what_cannot_be_laid_side_by_side():
 
 
 def test_recompute_log_probs_takes_another_forward(tokenizer):
-    "A caller's forward (e.g. GraphedLogProbs on a GPU) in place of token_log_probs: the same values; no temperature."
+    """A caller's forward (e.g. GraphedLogProbs on a GPU) in place of token_log_probs, given the micro-batch, the
+    temperature and with_entropy: the same values."""
     from jetrl.policy import token_log_probs
     policy = Policy(make_model(tokenizer), tokenizer, "jet")
     rollout = RolloutEngine(policy, chat_template=False).generate(PROMPTS[:1], SamplingParams(n=4, max_new_tokens=8, seed=0))
     calls = []
-    def forward(ids, mask):
-        calls.append(ids.shape[0]); return token_log_probs(policy.model, ids, mask)
+    def forward(ids, mask, temperature, with_entropy):
+        calls.append((ids.shape[0], temperature, with_entropy))
+        return token_log_probs(policy.model, ids, mask, temperature, with_entropy)
     mine = recompute_log_probs(policy.model, rollout, micro_batch_size=3, log_probs=forward)
-    assert calls == [3, 1] and torch.equal(mine, recompute_log_probs(policy.model, rollout, micro_batch_size=3))
-    with pytest.raises(ValueError, match="temperature 1, no entropy"):
-        recompute_log_probs(policy.model, rollout, temperature=0.7, log_probs=forward)
+    assert calls == [(3, 1.0, False), (1, 1.0, False)]
+    assert torch.equal(mine, recompute_log_probs(policy.model, rollout, micro_batch_size=3))
+    logp, entropy = recompute_log_probs(policy.model, rollout, 0.7, 3, with_entropy=True, log_probs=forward)
+    expected = recompute_log_probs(policy.model, rollout, 0.7, 3, with_entropy=True)
+    assert calls[-1] == (1, 0.7, True) and torch.equal(logp, expected[0]) and torch.equal(entropy, expected[1])

@@ -154,3 +154,20 @@ def test_master_weights_keep_updates_that_bf16_drops():
     again.load_state_dict(state)
     loaded = next(iter(again.state.values()))
     assert loaded["master"].dtype == loaded["exp_avg"].dtype == torch.float32 and torch.equal(loaded["master"], master)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU --cuda-graphs is valid")
+def test_cuda_graphs_on_the_cpu_is_refused_before_anything_is_written(model_dir, tmp_path, capsys):
+    "--cuda-graphs (TrainConfig.cuda_graphs) on a CPU: a clear error saying to drop it, and no run folder made."
+    out = tmp_path / "graphs"
+    assert main(["train", "--model", model_dir, *SMALL, "--out", str(out), "--cuda-graphs"]) == 2
+    assert "train without cuda_graphs (--cuda-graphs)" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(ValueError, match="this run trains on the cpu"):
+        train(TrainConfig(model=model_dir, steps=1, cuda_graphs=True))
+
+
+def test_cuda_graphs_under_torchrun_is_refused_first():
+    "FSDP's hooks are not in a graph: train_distributed refuses cuda_graphs before making a process group."
+    from jetrl.distributed import train_distributed
+    with pytest.raises(ValueError, match="not FSDP's hooks"):
+        train_distributed(TrainConfig(cuda_graphs=True))
