@@ -473,6 +473,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
                 if grpo.loss_type not in ("dapo", "cispo"): loss = loss * len(rows) / (len(share) * total_rows / len(rollout))   # a mean over the share's rows (all ranks')
                 loss.backward()
                 loss_sum += loss.item(); logps.append(logp.detach().clone())   # a graph's output is rewritten by its next replay
+                del logp, loss        # their autograd graph freed before the next forward: a CUDA-graph capture cannot meet it
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), config.max_grad_norm)
             run.optimizer.step()
             losses.append(loss_sum)

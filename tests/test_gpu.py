@@ -593,11 +593,13 @@ def test_graphed_log_probs_pad_ragged_widths_to_eager_bits_under_jet():
     params = [p for p in policy.model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(1)
     full = torch.randint(10, policy.model.config.vocab_size, (8, 4 * GRAPH_WIDTH_BUCKET), generator=g).cuda()
-    for width in (4 * GRAPH_WIDTH_BUCKET - 6, 3 * GRAPH_WIDTH_BUCKET + 9):      # both in the 4th bucket
+    # two widths in the 4th bucket (one capture serves both), then one in the 3rd: a second capture with grad, made
+    # while the first capture's graph (its static outputs) is alive
+    for width in (4 * GRAPH_WIDTH_BUCKET - 6, 3 * GRAPH_WIDTH_BUCKET + 9, 2 * GRAPH_WIDTH_BUCKET + 5):
         ids = full[:, :width]
         mask = torch.ones_like(ids); mask[1, :11] = 0; mask[2, width - 5:] = 0
         def eager_grads(padded: bool):
-            width_run = full.shape[1] if padded else width
+            width_run = -(-width // GRAPH_WIDTH_BUCKET) * GRAPH_WIDTH_BUCKET if padded else width   # the graph's width
             pad = lambda t: torch.cat([t, t.new_zeros(t.shape[0], width_run - width)], 1)
             logp = token_log_probs(policy.model, pad(ids), pad(mask))[:, :width - 1]
             logp.square().mean().backward()
@@ -618,14 +620,15 @@ def test_graphed_log_probs_pad_ragged_widths_to_eager_bits_under_jet():
             logp, entropy = graphed(ids, mask, 0.7, with_entropy=True)
             eager_logp, eager_entropy = token_log_probs(policy.model, ids, mask, 0.7, with_entropy=True)
         assert torch.equal(logp, eager_logp) and torch.equal(entropy, eager_entropy)
-    assert len(graphed._graphs) == 2                                  # one width bucket: one capture with grad, one without
+    assert len(graphed._graphs) == 4                                  # per width bucket: one capture with grad, one without
 
 
 @cuda
 def test_train_with_cuda_graphs_equals_eager_train_under_jet(tmp_path):
     """train(cuda_graphs=True) against eager train() from the same weights, at 2 layers of the 0.5B shape under jet:
     the first step's loss and mismatch are the same bits (the trainer's log-probs are), and the engine still equals
-    the trainer at every step (k3 and |dlogp| exactly 0)."""
+    the trainer at every step (k3 and |dlogp| exactly 0). Micro-batches of 6 of 16 rows: the last one's shape is captured
+    after a backward of another's, whose graph must be freed by then."""
     from jetrl.grpo import GRPOConfig
     from jetrl.train import TrainConfig, train
     policies = [_qwen2_05b_policy("jet", exact=False, layers=2) for _ in range(2)]
@@ -633,7 +636,7 @@ def test_train_with_cuda_graphs_equals_eager_train_under_jet(tmp_path):
     runs = []
     for policy, graphs in zip(policies, (False, True)):
         config = TrainConfig(strategy="jet", steps=3, prompts_per_step=4, grpo=GRPOConfig(num_generations=4),
-                             max_new_tokens=40, micro_batch_size=8, lr=1e-5, cuda_graphs=graphs)
+                             max_new_tokens=40, micro_batch_size=6, lr=1e-5, cuda_graphs=graphs)   # 6 + 6 + 4 rows
         runs.append(train(config, policy=policy).history)
     eager, graphed = runs
     assert graphed[0]["loss"] == eager[0]["loss"] and graphed[0]["mismatch/kl_k3"] == eager[0]["mismatch/kl_k3"]
