@@ -219,15 +219,31 @@ class _LogProbsModule(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return token_log_probs(self.model, input_ids, attention_mask, self.temperature)
 
+_STALE_OVERRIDE = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)   # torch >= 2.12
+
 @contextlib.contextmanager
 def _stale_streams_redirected():
     "Let a backward capture redirect gradient accumulators that an eager call left on the default stream (torch >= 2.12)."
-    override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
-    if override is None: yield; return
+    if _STALE_OVERRIDE is None: yield; return
     before = torch._C._override_stale_capture_stream()
-    override(True)
+    _STALE_OVERRIDE(True)
     try: yield
-    finally: override(before)
+    finally: _STALE_OVERRIDE(before)
+
+def _grad_accumulator(p: torch.Tensor):
+    "The autograd node that accumulates p's gradient: the live one if a graph holds it, else a new one."
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+def _held_by_eager_graphs(model: nn.Module) -> list[str]:
+    """The parameters whose gradient accumulator a live autograd graph holds, other than a capture's own (tagged after
+    each capture). A probe marks the accumulator and lets it go: the mark is still there only if something holds it."""
+    held = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad: continue
+        _grad_accumulator(p).metadata["jetrl_probe"] = True
+        node = _grad_accumulator(p)
+        if node.metadata.pop("jetrl_probe", False) and not node.metadata.get("jetrl_captured"): held.append(name)
+    return held
 
 def _padded_right(t: torch.Tensor, width: int) -> torch.Tensor:
     "(B, T) -> (B, width): zeros after the last column (masked-out padding tokens)."
@@ -246,7 +262,7 @@ class GraphedLogProbs:
     A capture with grad must not meet a live autograd graph of an eager call of the model (a loss or log-probs not yet
     freed or detached): its parameters' gradient accumulators remember the default stream, and a capture cannot wait
     on that stream. Where torch has `set_override_stale_capture_stream` (2.12 and later) the capture redirects them
-    itself; before, free the eager graph first."""
+    itself; before, a capture that would meet one is refused with a clear error, before anything is captured."""
 
     def __init__(self, model: nn.Module, width_bucket: int = GRAPH_WIDTH_BUCKET, max_captures: int = GRAPH_MAX_CAPTURES):
         from torch.distributed.fsdp import FSDPModule
@@ -272,9 +288,18 @@ class GraphedLogProbs:
                  with_entropy: bool):
         static_ids, static_mask = input_ids.clone(), attention_mask.clone()
         if grad:
+            held = _held_by_eager_graphs(self.model) if _STALE_OVERRIDE is None else []
+            if held:        # checked before capturing: a failed capture leaves the CUDA context broken
+                raise RuntimeError(f"GraphedLogProbs cannot capture a backward while an eager call's autograd graph is alive "
+                                   f"(it holds {held[0]}'s gradient accumulator, bound to that call's stream; torch "
+                                   f"{torch.__version__} cannot redirect it): free it first, e.g. `del loss` or keep "
+                                   "`log_probs.detach()`.")
             with _stale_streams_redirected():
-                return torch.cuda.make_graphed_callables(_LogProbsModule(self.model, temperature), (static_ids, static_mask),
-                                                         num_warmup_iters=GRAPH_WARMUP_CALLS, allow_unused_input=True)
+                graphed = torch.cuda.make_graphed_callables(_LogProbsModule(self.model, temperature), (static_ids, static_mask),
+                                                            num_warmup_iters=GRAPH_WARMUP_CALLS, allow_unused_input=True)
+            for p in self.model.parameters():       # the capture's own graph holds these from now on: not an eager one's
+                if p.requires_grad: _grad_accumulator(p).metadata["jetrl_captured"] = True
+            return graphed
         forward = lambda: token_log_probs(self.model, static_ids, static_mask, temperature, with_entropy)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

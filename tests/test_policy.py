@@ -519,6 +519,26 @@ def test_graphed_log_probs_explain_what_they_need():
         GraphedLogProbs(model)
 
 
+def test_a_live_eager_graph_is_found_before_a_capture():
+    """What GraphedLogProbs checks before a backward capture on torch < 2.12 (a capture that met the accumulators of a
+    live eager graph failed on the H200 and broke the CUDA context): the parameters a live autograd graph holds, none
+    once it is freed or detached, and none for the accumulators a capture holds (tagged after it)."""
+    from jetrl.policy import _held_by_eager_graphs, _grad_accumulator
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    assert _held_by_eager_graphs(model) == []
+    loss = model(torch.randn(3, 4)).square().sum()
+    assert _held_by_eager_graphs(model) == ["0.weight", "0.bias", "1.weight"]
+    loss.backward()
+    assert _held_by_eager_graphs(model) == ["0.weight", "0.bias", "1.weight"]      # backward frees buffers, not nodes
+    kept = loss.detach(); del loss
+    assert _held_by_eager_graphs(model) == []
+    captured = model(torch.randn(3, 4))                                           # as a capture's static outputs
+    for p in model.parameters():
+        if p.requires_grad: _grad_accumulator(p).metadata["jetrl_captured"] = True
+    assert _held_by_eager_graphs(model) == [] and captured.grad_fn is not None
+
+
 def test_graphed_log_probs_refuse_a_sharded_model():
     "FSDP2 gathers weights in hooks, which a replayed graph would skip: a clear error (run apart: it needs a process group)."
     import socket, subprocess, sys, textwrap
