@@ -7,7 +7,7 @@ torchao's float8 training in the same run as the reference.
 Prints one JSON object per configuration (recipe, implementation, ms, speedup_vs_bf16, TFLOP/s) and writes
 them all to --out. Needs a CUDA GPU with FP8 tensor cores (blockwise: Hopper); torchao is optional.
 """
-import argparse, copy, json, logging, platform, statistics, sys, time
+import argparse, copy, json, logging, platform, statistics, sys, time, traceback
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -117,7 +117,9 @@ def main(argv=None):
         try:
             grads = step(); torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a reference that fails here is reported, not fatal
-            print(json.dumps({"impl": impl, "recipe": recipe, "error": repr(e)[:300]}), flush=True); continue
+            traceback.print_exc()                   # the whole story on stderr; the JSON line and the results file: its gist
+            error = {"impl": impl, "recipe": recipe, "error": repr(e)[:2000]}
+            print(json.dumps(error | {"error": repr(e)[:300]}), flush=True); results.append(error); continue
         compile_s = time.perf_counter() - t0
         y = run(x).detach().float()
         out_sqnr = float(20 * torch.log10(y_ref.norm() / (y_ref - y).norm())) if impl != "torch" else float("inf")
