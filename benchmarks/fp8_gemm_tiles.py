@@ -56,7 +56,7 @@ def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
     default = fp8_gemm_tiles(M, N, K)
     reference = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale, None, reference, default)
-    if M <= DECODE_MAX_ROWS:        # all rows in one tile, or (past 64 rows) in 128-row tiles: the weight read twice
+    if M <= DECODE_MAX_ROWS:        # the default's row tile, and all rows in one tile (past 128 rows: the weight read twice)
         row_tiles = sorted({default[0], max(TILE_ROWS, min(DECODE_MAX_ROWS, next_power_of_2(M)))})
         candidates = [(bm, bn, warps, stages, 1) for bm in row_tiles for bn in DECODE_BLOCK_N for warps in (4, 8)
                       for stages in (3, 5)]

@@ -20,7 +20,7 @@ from .fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK, eager_custom_op
 
 # %% ../nbs/00a_kernels.ipynb #a05db474
 TILE_ROWS = 64          # rows of one tile: Hopper's wgmma works on 64 rows, fewer rows are padded (masked) to it
-DECODE_MAX_ROWS = 256   # GEMMs with at most this many rows put them all in one tile (decode: weight-bandwidth bound)
+DECODE_MAX_ROWS = 256   # GEMMs of at most this many rows take decode tiles, one or two row tiles (bandwidth bound)
 QUERY_TILE = 16         # query rows per attention tile, in the trainer and in decode alike (decode: heads as rows)
 KEY_BLOCK = 64          # keys per step of the attention's online softmax: the order of its sum
 

@@ -249,16 +249,32 @@ def _padded_right(t: torch.Tensor, width: int) -> torch.Tensor:
     "(B, T) -> (B, width): zeros after the last column (masked-out padding tokens)."
     return t if t.shape[1] == width else torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
 
+def _grads_allocated(params: list[torch.Tensor]):
+    """Give every parameter without a `.grad` a zero one, so that a graph's backward adds into it. Otherwise autograd
+    takes the graph's own gradient buffer over as `.grad` (make_graphed_callables hands it out detached, not copied),
+    and the next replay of that capture rewrites it: two micro-batches of one shape would sum to twice the second."""
+    for p in params:
+        if p.grad is None: p.grad = torch.zeros_like(p)
+
+def _freed(replay):
+    "Let an evicted capture go now: a graphed module's forward refers back to the module (a cycle the GC would wait on)."
+    if isinstance(replay, nn.Module): vars(replay).pop("forward", None)
+
 class GraphedLogProbs:
     """`token_log_probs(model, ids, mask, temperature, with_entropy)` replayed from CUDA graphs. Each call pads ids and
     mask on the right to a multiple of `width_bucket` tokens (masked out: a causal forward's earlier positions never
-    read them), copies them into a capture of that shape and replays it; a capture is made on a shape's first call and
-    kept for the `max_captures` most recently used shapes. With grad, the backward is a graph too and the gradients
-    reach the parameters' `.grad`; the log-probs are then a view of the graph's own buffer, valid until the next call
-    of the same shape (the loss is taken from them at once). Without grad, a copy is returned. Before each replay every
-    FP8Linear whose master weight changed is synced in place, as its first eager forward after an update would be.
+    read them), copies them into a capture of that shape and replays it; a capture is made on the first call of its
+    (rows, width bucket, grad, temperature, entropy) and kept for the `max_captures` most recently used. With grad, the
+    backward is a graph too and the gradients are added to the parameters' `.grad`; the log-probs are then a view of the
+    capture's own buffer, valid until its next call (the loss is taken from them at once). Without grad, a copy is
+    returned. Before each replay every FP8Linear whose master weight changed is synced in place, as its first eager
+    forward after an update would be. Each capture holds its own buffers: with grad, a gradient of every parameter and
+    the micro-batch's saved activations.
     Where the forward is row-invariant (jet on a GPU, or `exact`) the padded log-probs are eager's bits; elsewhere
     (bf16's cuBLAS GEMMs see other row counts) they may differ in the last bits, as another micro-batch size would.
+    The gradients are eager's at the padded width; under an FP8 recipe they differ from an unpadded call's at FP8's
+    noise (Wgrad quantizes 128 tokens per group along the flattened batch, and the padding moves the groups' edges:
+    3.4e-2 relative, measured at the 0.5B shape).
     A capture with grad must not meet a live autograd graph of an eager call of the model (a loss or log-probs not yet
     freed or detached): its parameters' gradient accumulators remember the default stream, and a capture cannot wait
     on that stream. Where torch has `set_override_stale_capture_stream` (2.12 and later) the capture redirects them
@@ -280,6 +296,7 @@ class GraphedLogProbs:
         self.model, self.width_bucket, self.max_captures = model, width_bucket, max_captures
         self._graphs: dict = {}                              # key -> replay, least recently used first
         self._fp8 = [m for m in fp8_modules(model).values() if m.recipe.is_fp8("fprop")]
+        self._params = [p for p in model.parameters() if p.requires_grad]
 
     def _sync_fp8_weights(self):
         for m in self._fp8: m._current_fp8_weight()       # a stale cache re-quantized in place: the graphs read those bytes
@@ -309,10 +326,11 @@ class GraphedLogProbs:
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
             static_out = forward()
-        def replay(ids, mask):
+        def replay(ids, mask, columns: int):
             static_ids.copy_(ids); static_mask.copy_(mask)
             graph.replay()
-            return tuple(t.clone() for t in static_out) if with_entropy else static_out.clone()
+            out = tuple(t[:, :columns].clone() for t in static_out) if with_entropy else static_out[:, :columns].clone()
+            return out
         return replay
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, temperature: float = 1.0,
@@ -330,12 +348,12 @@ class GraphedLogProbs:
         key = (tuple(ids.shape), grad, self.model.training, float(temperature), with_entropy)
         replay = self._graphs.pop(key, None)
         if replay is None:
-            while len(self._graphs) >= self.max_captures: self._graphs.pop(next(iter(self._graphs)))   # the oldest freed
+            while len(self._graphs) >= self.max_captures: _freed(self._graphs.pop(next(iter(self._graphs))))  # the oldest
             replay = self._capture(ids, mask, grad, temperature, with_entropy)
         self._graphs[key] = replay                           # now the most recently used
-        out = replay(ids, mask)
-        if with_entropy: return out[0][:, :T - 1], out[1][:, :T - 1]
-        return out[:, :T - 1]
+        if not grad: return replay(ids, mask, T - 1)
+        _grads_allocated(self._params)
+        return replay(ids, mask)[:, :T - 1]
 
 # %% ../nbs/04_policy.ipynb #827e94a4
 from safetensors import SafetensorError, safe_open

@@ -551,30 +551,34 @@ def test_decode_fp8_layer_gemms_no_slower_than_cublas_bf16_at_128_rows(capsys):
 @pytest.mark.parametrize("strategy", ["bf16", "jet"])
 def test_graphed_log_probs_equal_eager_across_updates(strategy):
     """The trainer's log-probs and gradients replayed from CUDA graphs (GraphedLogProbs) against eager calls, at 4
-    layers of the 0.5B shape with activation checkpointing, over three optimizer steps: the graphs must read each
-    update's weights (FP8 ones re-quantized in place, Dgrad's transposed copy remade) and give the eager values."""
+    layers of the 0.5B shape with activation checkpointing, over three optimizer steps of two micro-batches each: the
+    graphs must read each update's weights (FP8 ones re-quantized in place, Dgrad's transposed copy remade), give the
+    eager values, and the two micro-batches' gradients must add up (a capture's own gradient buffer, taken over as
+    `.grad`, made them twice the second's)."""
     from jetrl.policy import GraphedLogProbs, token_log_probs
     policy = _qwen2_05b_policy(strategy, exact=False, layers=4)
     policy.model.gradient_checkpointing_enable(); policy.model.train()
     graphed = GraphedLogProbs(policy.model)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, policy.model.config.vocab_size, (8, 256), generator=g).cuda()
-    mask = torch.ones_like(ids); mask[0, :17] = 0
+    batches = [torch.randint(10, policy.model.config.vocab_size, (8, 256), generator=g).cuda() for _ in range(2)]
+    mask = torch.ones_like(batches[0]); mask[0, :17] = 0
     params = [p for p in policy.model.parameters() if p.requires_grad]
     for update in range(3):
-        eager = token_log_probs(policy.model, ids, mask)
-        eager.square().mean().backward()
+        for ids in batches:             # two micro-batches of one shape, their gradients accumulated
+            eager = token_log_probs(policy.model, ids, mask)
+            eager.square().mean().backward()
         eager = eager.detach()          # the eager graph freed: a capture cannot wait on its default-stream accumulators
         eager_grads = [p.grad.clone() for p in params]
         optimizer.zero_grad()
-        replayed = graphed(ids, mask)
-        replayed.square().mean().backward()
+        for ids in batches:
+            replayed = graphed(ids, mask)
+            replayed.square().mean().backward()
         assert torch.equal(replayed, eager), f"update {update}: log-probs differ by up to {(replayed - eager).abs().max():.1e}"
         worst = max(float((p.grad - e).norm() / e.norm().clamp_min(1e-12)) for p, e in zip(params, eager_grads))
         assert worst < 1e-3, f"update {update}: a gradient differs from eager's by {worst:.1e} (relative)"
         with torch.no_grad():
-            assert torch.equal(graphed(ids, mask), token_log_probs(policy.model, ids, mask))
+            assert torch.equal(graphed(batches[0], mask), token_log_probs(policy.model, batches[0], mask))
         optimizer.step(); optimizer.zero_grad()
     assert len(graphed._graphs) == 2                                  # one capture with grad, one without: reused
 
@@ -637,7 +641,10 @@ def test_train_with_cuda_graphs_equals_eager_train_under_jet(tmp_path):
     for policy, graphs in zip(policies, (False, True)):
         config = TrainConfig(strategy="jet", steps=3, prompts_per_step=4, grpo=GRPOConfig(num_generations=4),
                              max_new_tokens=40, micro_batch_size=6, lr=1e-5, cuda_graphs=graphs)   # 6 + 6 + 4 rows
-        runs.append(train(config, policy=policy).history)
+        run = train(config, policy=policy)
+        runs.append(run.history)
+    graphed_forward = run.log_probs
     eager, graphed = runs
+    assert any(key[1] for key in graphed_forward._graphs), "train(cuda_graphs=True) captured no forward with grad"
     assert graphed[0]["loss"] == eager[0]["loss"] and graphed[0]["mismatch/kl_k3"] == eager[0]["mismatch/kl_k3"]
     assert all(m["mismatch/kl_k3"] == 0 and m["mismatch/logp_abs_diff_max"] == 0 for m in graphed), [m["mismatch/kl_k3"] for m in graphed]

@@ -519,6 +519,27 @@ def test_graphed_log_probs_explain_what_they_need():
         GraphedLogProbs(model)
 
 
+def test_graph_gradients_accumulate_over_micro_batches():
+    """A graphed backward hands out its own gradient buffer (detached, as torch.cuda.make_graphed_callables does) and
+    rewrites it at every replay. With `.grad` unset, autograd takes that buffer over as `.grad`, and two micro-batches
+    of one capture summed to twice the second (found in review, on the H200's path). GraphedLogProbs allocates the
+    gradients first (`_grads_allocated`): they must sum to g1 + g2."""
+    from jetrl.policy import _grads_allocated
+    weight = torch.nn.Parameter(torch.zeros(3))
+    static_grad = torch.zeros(3)                         # the capture's gradient buffer, rewritten by every replay
+    class Replayed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w, g): ctx.g = g; return w.detach().sum()
+        @staticmethod
+        def backward(ctx, dy):
+            static_grad.copy_(ctx.g); return static_grad.detach(), None
+    for g in (torch.tensor([1., 2., 3.]), torch.tensor([10., 20., 30.])):
+        _grads_allocated([weight])
+        Replayed.apply(weight, g).backward()
+    assert torch.equal(weight.grad, torch.tensor([11., 22., 33.])), weight.grad
+    assert weight.grad.data_ptr() != static_grad.data_ptr()
+
+
 def test_a_live_eager_graph_is_found_before_a_capture():
     """What GraphedLogProbs checks before a backward capture on torch < 2.12 (a capture that met the accumulators of a
     live eager graph failed on the H200 and broke the CUDA context): the parameters a live autograd graph holds, none

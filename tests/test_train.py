@@ -171,3 +171,20 @@ def test_cuda_graphs_under_torchrun_is_refused_first():
     from jetrl.distributed import train_distributed
     with pytest.raises(ValueError, match="not FSDP's hooks"):
         train_distributed(TrainConfig(cuda_graphs=True))
+
+
+def test_a_run_logged_before_cuda_graphs_existed_resumes(model_dir, tmp_path):
+    """`cuda_graphs` is in RESUME_FREE_FIELDS (how fast a step runs, not what it computes): a run folder whose logged
+    config lacks it (every run from before it existed) still resumes, where any other missing or changed field is refused."""
+    import json
+    out = tmp_path / "run"
+    assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(out)]) == 0
+    metrics = out / "metrics.jsonl"
+    header, *rest = metrics.read_text().splitlines(keepends=True)
+    logged = json.loads(header)
+    del logged["config"]["cuda_graphs"]
+    metrics.write_text(json.dumps(logged) + "\n" + "".join(rest))
+    assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(out), "--resume"]) == 0
+    del logged["config"]["exact"]                                    # a field that does count: refused
+    metrics.write_text(json.dumps(logged) + "\n" + "".join(rest))
+    assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(out), "--resume"]) == 2
