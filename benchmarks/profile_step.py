@@ -1,6 +1,7 @@
 """Where a GRPO step's GPU time goes, per strategy: the kernels of eager decode steps and of one training micro-batch.
 
     python benchmarks/profile_step.py --model qwen2-7b --rows 128 --strategies bf16,jet
+    python benchmarks/profile_step.py --model qwen2-0.5b --strategies bf16,jet --train-only --cuda-graphs
 
 Eager (no CUDA graphs) so that every kernel is seen; kernel times are what a graph replays, minus launch gaps.
 Prints, per strategy: the graphed decode step time (from the engine's own timing), then the top kernels by GPU
@@ -13,7 +14,7 @@ from torch.profiler import profile, ProfilerActivity
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from rollout import build
-from jetrl.policy import Policy, token_log_probs
+from jetrl.policy import Policy, GraphedLogProbs, token_log_probs
 from jetrl.rollout import RolloutEngine, SamplingParams
 
 
@@ -53,8 +54,11 @@ def train_profile(policy, engine, prompts, strategy: str, args):
     import time
     rollout = engine.generate(prompts[: args.micro_batch], SamplingParams(max_new_tokens=512, seed=0, ignore_eos=True))
     ids, mask = rollout.input_ids, rollout.attention_mask
-    step = lambda: token_log_probs(policy.model, ids, mask).sum().backward()
-    step(); torch.cuda.synchronize()                                          # warm-up
+    # --cuda-graphs: the micro-batch replayed from CUDA graphs (GraphedLogProbs, as train(cuda_graphs=True) runs it);
+    # CUPTI records the kernels a graph replays, so the kernel table is the same kind of table
+    forward = GraphedLogProbs(policy.model) if args.cuda_graphs else (lambda i, m: token_log_probs(policy.model, i, m))
+    step = lambda: forward(ids, mask).sum().backward()
+    step(); torch.cuda.synchronize()                                          # warm-up (and the capture)
     walls = []
     for _ in range(3):
         start = time.perf_counter(); step(); torch.cuda.synchronize(); walls.append(time.perf_counter() - start)
@@ -62,7 +66,8 @@ def train_profile(policy, engine, prompts, strategy: str, args):
         step(); torch.cuda.synchronize()
     gpu_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
     events = prof.key_averages()
-    print(f"\n##### {strategy}: one training micro-batch ({args.micro_batch} x {ids.shape[1]}), forward + backward: "
+    print(f"\n##### {strategy}: one training micro-batch ({args.micro_batch} x {ids.shape[1]}), forward + backward"
+          f"{' from CUDA graphs' if args.cuda_graphs else ''}: "
           f"wall {1e3 * sorted(walls)[1]:.1f} ms (median of 3), GPU kernels {gpu_ms:.1f} ms", flush=True)
     print(f"--- {strategy}: top kernels by GPU time")
     print(top_kernels(prof, args.top))
@@ -82,6 +87,8 @@ def main(argv=None):
     p.add_argument("--decode-only", action="store_true", help="only the graphed decode step's kernels")
     p.add_argument("--train-only", action="store_true",
                    help="only the training micro-batch: wall time against kernel time, and the host's busiest ops")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the training micro-batch replayed from CUDA graphs (GraphedLogProbs), as train(cuda_graphs=True)")
     args = p.parse_args(argv)
     for strategy in args.strategies.split(","):
         model, tokenizer = build(args.model, torch.bfloat16)
