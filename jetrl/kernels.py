@@ -6,17 +6,18 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT', 'TMA_ALIGN',
-           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
-           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
-           'rms_norm_invariant', 'next_power_of_2', 'attention_invariant', 'InvariantRMSNorm', 'linear_invariant',
-           'InvariantLinear', 'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'CUBLAS_MIN_ROWS', 'BLOCKWISE', 'cublas_when_same_bits', 'invariant_kernels_available',
+           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
+           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
+           'attention_invariant', 'cublas_may_run', 'fast_if_same_bits', 'cublas_where_same_bits', 'InvariantRMSNorm',
+           'linear_invariant', 'InvariantLinear', 'causal_key_mask', 'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 import functools, importlib.util, math, os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK, eager_custom_op
+from .fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK, eager_custom_op, has_fp8_kernel, _fp8_gemm
 
 # %% ../nbs/00a_kernels.ipynb #a05db474
 TILE_ROWS = 64          # rows of one tile: Hopper's wgmma works on 64 rows, fewer rows are padded (masked) to it
@@ -318,10 +319,13 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
                            bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     (M, K), N = a_data.shape, w_data.shape[0]
     a_data, a_scale, w_data, w_scale = (t.contiguous() for t in (a_data, a_scale, w_data, w_scale))
+    bias = None if bias is None else bias.contiguous()
+    if M and N and cublas_may_run(a_data):          # many rows: cuBLAS, where it was seen to give this kernel's bits
+        out = cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype)
+        if out is not None: return out
     out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
     if M == 0 or N == 0: return out
-    return launch_fp8_gemm(a_data, a_scale, w_data, w_scale, None if bias is None else bias.contiguous(), out,
-                           fp8_gemm_tiles(M, N, K))
+    return launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, fp8_gemm_tiles(M, N, K))
 
 @_fp8_gemm_invariant_op.register_fake
 def _(a_data, a_scale, w_data, w_scale, bias, out_dtype):
@@ -389,6 +393,42 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
 @attention_invariant.register_fake
 def _(q, k, v, q_columns, key_valid, scale): return torch.empty_like(q)
 
+
+# %% ../nbs/00a_kernels.ipynb #50b79c53
+CUBLAS_MIN_ROWS = DECODE_MAX_ROWS + 1   # GEMMs of at least this many rows may run on cuBLAS (decode keeps the kernel)
+BLOCKWISE = "blockwise_1x128_128x128"     # the cuBLAS layout of these operands (1x128 activations, 128x128 weights)
+cublas_when_same_bits = True             # False: this kernel at every shape (to time it, or to rule cuBLAS out)
+_same_bits_seen: dict[tuple, bool] = {}  # a GEMM's shape key -> whether cuBLAS gave the kernel's bits there
+
+def cublas_may_run(a_data: torch.Tensor) -> bool:
+    "Whether a GEMM of `a_data`'s rows may try cuBLAS: enough rows, switched on, a GPU with blockwise FP8 GEMMs."
+    return (a_data.shape[0] >= CUBLAS_MIN_ROWS and cublas_when_same_bits and a_data.device.type == "cuda"
+            and has_fp8_kernel(a_data.device, BLOCKWISE))
+
+def _alignment(t: torch.Tensor) -> int: return min(t.data_ptr() & -t.data_ptr(), 256)   # cuBLAS may pick by it
+
+def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False) -> "torch.Tensor | None":
+    """`fast()` if, for this `key`, it was seen to give `exact()`'s bits, else None (the caller runs the exact kernel).
+    The first call with a key runs both, compares every bit and remembers the verdict. While `capturing` a CUDA
+    graph nothing can be compared: an unseen key gets None."""
+    verdict = _same_bits_seen.get(key)
+    if verdict is False or (verdict is None and capturing): return None
+    out = fast()
+    if verdict is None: verdict = _same_bits_seen[key] = torch.equal(out, exact())
+    return out if verdict else None
+
+def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) -> "torch.Tensor | None":
+    """`a @ w.T (+ bias)` by cuBLAS's blockwise FP8 GEMM where it gives `launch_fp8_gemm`'s bits (`fast_if_same_bits`),
+    else None. The bias is added as the kernel adds it: the product rounded to `out_dtype`, plus the rounded bias."""
+    (M, K), N = a_data.shape, w_data.shape[0]
+    key = (a_data.device, M, N, K, out_dtype, None if bias is None else bias.dtype, _alignment(a_data), _alignment(w_data))
+    def cublas():
+        out = _fp8_gemm(a_data, a_scale, w_data, w_scale, BLOCKWISE, out_dtype)
+        return out if bias is None else out.add_(bias.to(out_dtype))
+    def kernel():
+        out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
+        return launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, fp8_gemm_tiles(M, N, K))
+    return fast_if_same_bits(key, cublas, kernel, torch.cuda.is_current_stream_capturing())
 
 # %% ../nbs/00a_kernels.ipynb #7e811c3a
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

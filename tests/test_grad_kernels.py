@@ -280,3 +280,29 @@ def test_fp8_gemm_default_launch_gives_a_row_the_same_bits_at_every_row_count():
         part = FP8Tensor(x.data[:rows], x.scale[:rows], x.block, x.fmt)
         assert torch.equal(fp8_gemm_invariant(part, w, torch.bfloat16), full[:rows]), f"{rows} rows ({tiles}): other bits"
     assert launches == {(64, False, 1), (128, True, 1), (128, True, 2)}       # every decode launch was exercised
+
+
+# ---- cuBLAS for many-row FP8 GEMMs only where it gives the kernel's bits (jetrl.kernels.fast_if_same_bits) -----------
+# The decision is plain Python: run here with stand-ins for cuBLAS and the kernel (the H200 test runs the real ones).
+
+def test_fast_gemm_used_only_where_it_gives_the_exact_bits():
+    from jetrl.kernels import fast_if_same_bits, _same_bits_seen
+    torch.manual_seed(0)
+    exact = torch.randn(300, 8)
+    asked = []
+    def exact_gemm(): asked.append(1); return exact.clone()
+    try:
+        assert torch.equal(fast_if_same_bits(("test", "agrees"), exact.clone, exact_gemm), exact)
+        assert torch.equal(fast_if_same_bits(("test", "agrees"), exact.clone, exact_gemm), exact)
+        assert len(asked) == 1                                                      # checked once per key
+        for row in (0, 150, 299):                    # a one-ulp difference anywhere is caught
+            off = exact.clone(); off[row, 5] = torch.nextafter(off[row, 5], torch.tensor(float("inf")))
+            calls = []
+            fast = lambda: calls.append(1) or off.clone()
+            assert fast_if_same_bits(("test", "off", row), fast, exact_gemm) is None
+            assert fast_if_same_bits(("test", "off", row), fast, exact_gemm) is None
+            assert len(calls) == 1                                                  # never asked again
+        assert fast_if_same_bits(("test", "unseen"), exact.clone, exact_gemm, capturing=True) is None
+        assert ("test", "unseen") not in _same_bits_seen                            # decided on an eager call
+    finally:
+        for key in [k for k in _same_bits_seen if k[0] == "test"]: del _same_bits_seen[key]
