@@ -94,8 +94,8 @@ def main(argv=None):
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the trainer's log-probs (no grad, and forward + backward) replayed from CUDA graphs (GraphedLogProbs)")
     p.add_argument("--no-cublas-fprop", action="store_true",
-                   help="FP8 GEMMs of > 64 rows (the trainer's forward, prefill, decode) on jetrl's Triton kernel at every "
-                        "shape, not on cuBLAS where it gives that kernel's bits faster (jetrl.kernels.cublas_when_same_bits)")
+                   help="many-row FP8 GEMMs (the trainer's forward, prefill) on jetrl's Triton kernel at every shape, not "
+                        "on cuBLAS where it gives that kernel's bits (jetrl.kernels.cublas_when_same_bits; to compare)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
@@ -149,8 +149,8 @@ def main(argv=None):
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop,
-                        # FP8 GEMM shapes of > 64 rows seen so far in this process: on cuBLAS (its bits checked equal,
-                        # its GPU time less) / on jetrl's kernel
+                        # many-row FP8 GEMM shapes seen so far in this process: on cuBLAS (its bits checked equal) /
+                        # on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),
                         kernel_shapes=sum(not v for v in jetrl.kernels._fast_chosen.values()),
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

@@ -6,12 +6,11 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT', 'TMA_ALIGN',
-           'CUBLAS_MIN_ROWS', 'BLOCKWISE', 'TIMED_CALLS', 'GPU_HEAD_START_CYCLES', 'cublas_when_same_bits',
-           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
-           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
-           'rms_norm_invariant', 'next_power_of_2', 'attention_invariant', 'cublas_may_run', 'gpu_time_ms',
-           'fast_if_same_bits', 'cublas_where_same_bits', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear',
-           'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'CUBLAS_MIN_ROWS', 'BLOCKWISE', 'cublas_when_same_bits', 'invariant_kernels_available',
+           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
+           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
+           'attention_invariant', 'cublas_may_run', 'fast_if_same_bits', 'cublas_where_same_bits', 'InvariantRMSNorm',
+           'linear_invariant', 'InvariantLinear', 'causal_key_mask', 'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 import functools, importlib.util, math, os
@@ -395,13 +394,11 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
 def _(q, k, v, q_columns, key_valid, scale): return torch.empty_like(q)
 
 
-# %% ../nbs/00a_kernels.ipynb #70996e5b
-CUBLAS_MIN_ROWS = TILE_ROWS + 1          # GEMMs of more rows than one tile may run on cuBLAS (at <= 64 it was slower)
+# %% ../nbs/00a_kernels.ipynb #cc640503
+CUBLAS_MIN_ROWS = DECODE_MAX_ROWS + 1   # GEMMs of at least this many rows may run on cuBLAS (decode keeps the kernel)
 BLOCKWISE = "blockwise_1x128_128x128"     # the cuBLAS layout of these operands (1x128 activations, 128x128 weights)
-TIMED_CALLS = 5                          # calls of each GEMM timed when a shape is first seen
-GPU_HEAD_START_CYCLES = 2_000_000        # ~1 ms of GPU sleep (H200 at ~2 GHz): the timed launches queue up behind it
 cublas_when_same_bits = True             # False: this kernel at every shape (to time it, or to rule cuBLAS out)
-_fast_chosen: dict[tuple, bool] = {}     # a GEMM's shape key -> whether cuBLAS runs it (same bits, less time)
+_fast_chosen: dict[tuple, bool] = {}     # a GEMM's shape key -> whether cuBLAS runs it (it gave the kernel's bits)
 
 def cublas_may_run(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
     """Whether a GEMM of `a_data`'s rows by `w_data` may try cuBLAS: enough rows, switched on, a GPU with blockwise FP8
@@ -410,32 +407,19 @@ def cublas_may_run(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
     return (a_data.shape[0] >= CUBLAS_MIN_ROWS and cublas_when_same_bits and a_data.dtype == w_data.dtype == e4m3
             and a_data.device.type == "cuda" and has_fp8_kernel(a_data.device, BLOCKWISE))
 
-def gpu_time_ms(fn) -> float:
-    """GPU time of one call of `fn` in ms: `TIMED_CALLS` calls between two CUDA events, queued behind a GPU sleep so
-    that only the GPU's time is measured, as when a CUDA graph replays them. One call first, to warm up."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(GPU_HEAD_START_CYCLES)
-    start.record()
-    for _ in range(TIMED_CALLS): fn()
-    end.record(); end.synchronize()
-    return start.elapsed_time(end) / TIMED_CALLS
-
-def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False, time_ms=None) -> "torch.Tensor | None":
-    """`fast()` where, for this `key`, it was seen to give `exact()`'s bits (and, given `time_ms`, to take less time
-    than `exact`), else None: the caller runs the exact kernel. The first call with a key compares every bit, times
-    both, and remembers the choice. While `capturing` a CUDA graph nothing can be compared: an unseen key gets None."""
+def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False) -> "torch.Tensor | None":
+    """`fast()` where, for this `key`, it was seen to give `exact()`'s bits, else None: the caller runs the exact
+    kernel. The first call with a key runs both, compares every bit and remembers the verdict. While `capturing` a
+    CUDA graph nothing can be compared: an unseen key gets None."""
     chosen = _fast_chosen.get(key)
     if chosen is False or (chosen is None and capturing): return None
     out = fast()
-    if chosen is None:
-        chosen = _fast_chosen[key] = torch.equal(out, exact()) and (time_ms is None or time_ms(fast) < time_ms(exact))
+    if chosen is None: chosen = _fast_chosen[key] = torch.equal(out, exact())
     return out if chosen else None
 
 def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) -> "torch.Tensor | None":
-    """`a @ w.T (+ bias)` by cuBLAS's blockwise FP8 GEMM where it gives `launch_fp8_gemm`'s bits in less GPU time
-    (`fast_if_same_bits`), else None. The bias is added as the kernel adds it: the product rounded to `out_dtype`,
-    plus the rounded bias."""
+    """`a @ w.T (+ bias)` by cuBLAS's blockwise FP8 GEMM where it gives `launch_fp8_gemm`'s bits (`fast_if_same_bits`),
+    else None. The bias is added as the kernel adds it: the product rounded to `out_dtype`, plus the rounded bias."""
     (M, K), N = a_data.shape, w_data.shape[0]
     key = (a_data.device, M, N, K, out_dtype, None if bias is None else bias.dtype, _alignment(a_data), _alignment(w_data))
     def cublas():
@@ -444,7 +428,7 @@ def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) ->
     def kernel():
         out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
         return launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, fp8_gemm_tiles(M, N, K))
-    return fast_if_same_bits(key, cublas, kernel, torch.cuda.is_current_stream_capturing(), gpu_time_ms)
+    return fast_if_same_bits(key, cublas, kernel, torch.cuda.is_current_stream_capturing())
 
 def _alignment(t: torch.Tensor) -> int: return min(t.data_ptr() & -t.data_ptr(), 256)   # cuBLAS may pick by it
 
