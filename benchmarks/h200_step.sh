@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 11's check on one H200, in one device call (~8 minutes): the GPU tests first (kernels against the CPU oracle
-# and against each other, the engine == trainer tests, the speed bounds, the graphed trainer and train(cuda_graphs)),
-# then the headline GRPO step side by side (bf16 and jet, the GPU's default engines) at the 7B shape, and at the 0.5B
-# shape with the trainer's log-probs from CUDA graphs (if their tests passed) and without.
+# and against each other, cuBLAS against the batch-invariant kernel bit for bit and its speed bound, the engine ==
+# trainer tests, the graphed trainer and train(cuda_graphs)), then the headline GRPO step side by side (bf16 and jet,
+# the GPU's default engines) at the 7B shape, and at the 0.5B shape with the trainer's log-probs from CUDA graphs (if
+# their tests passed) and without.
 # Results into $OUT (default benchmarks/results). From the repository root on the GPU machine:
 #   bash benchmarks/h200_step.sh
 # The FP8 linear against torchao is a call of its own (~4 minutes, torchao's blockwise compiles for 150 s):

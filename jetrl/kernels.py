@@ -394,7 +394,7 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
 def _(q, k, v, q_columns, key_valid, scale): return torch.empty_like(q)
 
 
-# %% ../nbs/00a_kernels.ipynb #cc640503
+# %% ../nbs/00a_kernels.ipynb #b1894dc5
 CUBLAS_MIN_ROWS = DECODE_MAX_ROWS + 1   # GEMMs of at least this many rows may run on cuBLAS (decode keeps the kernel)
 BLOCKWISE = "blockwise_1x128_128x128"     # the cuBLAS layout of these operands (1x128 activations, 128x128 weights)
 cublas_when_same_bits = True             # False: this kernel at every shape (to time it, or to rule cuBLAS out)
