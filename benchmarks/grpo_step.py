@@ -149,8 +149,8 @@ def main(argv=None):
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop,
-                        # many-row FP8 GEMM shapes seen so far in this process: on cuBLAS (its bits checked equal) /
-                        # on jetrl's kernel
+                        # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
+                        # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),
                         kernel_shapes=sum(not v for v in jetrl.kernels._fast_chosen.values()),
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

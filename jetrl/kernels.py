@@ -6,11 +6,12 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT', 'TMA_ALIGN',
-           'CUBLAS_MIN_ROWS', 'BLOCKWISE', 'cublas_when_same_bits', 'invariant_kernels_available',
-           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
-           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
-           'attention_invariant', 'cublas_may_run', 'fast_if_same_bits', 'cublas_where_same_bits', 'InvariantRMSNorm',
-           'linear_invariant', 'InvariantLinear', 'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'CUBLAS_MIN_ROWS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits', 'MAX_SHAPES_REMEMBERED',
+           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
+           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
+           'rms_norm_invariant', 'next_power_of_2', 'attention_invariant', 'cublas_may_run', 'same_bits',
+           'fast_if_same_bits', 'cublas_where_same_bits', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear',
+           'causal_key_mask', 'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 import functools, importlib.util, math, os
@@ -320,7 +321,7 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
     (M, K), N = a_data.shape, w_data.shape[0]
     a_data, a_scale, w_data, w_scale = (t.contiguous() for t in (a_data, a_scale, w_data, w_scale))
     bias = None if bias is None else bias.contiguous()
-    if M and N and cublas_may_run(a_data, w_data):          # many rows: cuBLAS, where it was seen to give this kernel's bits
+    if M and N and K and cublas_may_run(a_data, w_data):          # many rows: cuBLAS, where it was seen to give this kernel's bits
         out = cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype)
         if out is not None: return out
     out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
@@ -394,27 +395,40 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
 def _(q, k, v, q_columns, key_valid, scale): return torch.empty_like(q)
 
 
-# %% ../nbs/00a_kernels.ipynb #b1894dc5
+# %% ../nbs/00a_kernels.ipynb #83d7bb42
 CUBLAS_MIN_ROWS = DECODE_MAX_ROWS + 1   # GEMMs of at least this many rows may run on cuBLAS (decode keeps the kernel)
-BLOCKWISE = "blockwise_1x128_128x128"     # the cuBLAS layout of these operands (1x128 activations, 128x128 weights)
+CUBLAS_BLOCKWISE_LAYOUT = "blockwise_1x128_128x128"   # cuBLAS's name for these operands: 1x128 acts, 128x128 weights
 cublas_when_same_bits = True             # False: this kernel at every shape (to time it, or to rule cuBLAS out)
 _fast_chosen: dict[tuple, bool] = {}     # a GEMM's shape key -> whether cuBLAS runs it (it gave the kernel's bits)
+MAX_SHAPES_REMEMBERED = 4096             # the oldest verdict is dropped past this (it is then checked again)
 
 def cublas_may_run(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
     """Whether a GEMM of `a_data`'s rows by `w_data` may try cuBLAS: enough rows, switched on, a GPU with blockwise FP8
     GEMMs, and both operands E4M3 (cuBLAS's blockwise GEMM refuses E5M2 activations; the kernel takes them)."""
     e4m3 = fp8_dtype("e4m3")
     return (a_data.shape[0] >= CUBLAS_MIN_ROWS and cublas_when_same_bits and a_data.dtype == w_data.dtype == e4m3
-            and a_data.device.type == "cuda" and has_fp8_kernel(a_data.device, BLOCKWISE))
+            and a_data.device.type == "cuda" and has_fp8_kernel(a_data.device, CUBLAS_BLOCKWISE_LAYOUT))
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    "Whether two tensors hold the same bits (unlike `torch.equal`, -0.0 is not +0.0 and a NaN equals its own bits)."
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                       b.contiguous().view(torch.uint8))
 
 def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False) -> "torch.Tensor | None":
     """`fast()` where, for this `key`, it was seen to give `exact()`'s bits, else None: the caller runs the exact
-    kernel. The first call with a key runs both, compares every bit and remembers the verdict. While `capturing` a
-    CUDA graph nothing can be compared: an unseen key gets None."""
+    kernel. The first call with a key runs both, compares every bit and remembers the verdict; a `fast` that raises
+    there (a call cuBLAS refuses) counts as different. While `capturing` a CUDA graph nothing can be compared: an
+    unseen key gets None."""
     chosen = _fast_chosen.get(key)
     if chosen is False or (chosen is None and capturing): return None
-    out = fast()
-    if chosen is None: chosen = _fast_chosen[key] = torch.equal(out, exact())
+    try: out = fast()
+    except (RuntimeError, ValueError):
+        if chosen: raise                          # it ran before at this key: an error now is not a refusal
+        out, chosen = None, False
+    if chosen is None: chosen = same_bits(out, exact())
+    if key not in _fast_chosen:
+        if len(_fast_chosen) >= MAX_SHAPES_REMEMBERED: del _fast_chosen[next(iter(_fast_chosen))]
+        _fast_chosen[key] = chosen
     return out if chosen else None
 
 def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) -> "torch.Tensor | None":
@@ -423,7 +437,7 @@ def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) ->
     (M, K), N = a_data.shape, w_data.shape[0]
     key = (a_data.device, M, N, K, out_dtype, None if bias is None else bias.dtype, _alignment(a_data), _alignment(w_data))
     def cublas():
-        out = _fp8_gemm(a_data, a_scale, w_data, w_scale, BLOCKWISE, out_dtype)
+        out = _fp8_gemm(a_data, a_scale, w_data, w_scale, CUBLAS_BLOCKWISE_LAYOUT, out_dtype)
         return out if bias is None else out.add_(bias.to(out_dtype))
     def kernel():
         out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)

@@ -536,9 +536,14 @@ CUBLAS_TRAINER_GEMM_MAX_TIME_VS_KERNEL = 0.95           # each 7B trainer shape
 CUBLAS_TRAINER_GEMMS_MAX_TIME_VS_KERNEL = 0.85          # the three together
 
 @cuda
-def test_many_row_fp8_gemm_takes_cublas_with_the_kernels_bits_and_speed(capsys):
+def test_many_row_fp8_gemm_takes_cublas_with_the_kernels_bits_and_speed(capsys, monkeypatch):
     import jetrl.kernels as kernels
-    from jetrl.kernels import quantize_1x128, fp8_gemm_invariant
+    from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, same_bits
+    monkeypatch.setattr(kernels, "_fast_chosen", {})                  # every verdict below is made here, on this data
+    def kernel_only(fn):
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "cublas_when_same_bits", False)
+            return fn()
     torch.manual_seed(0)
     times = {}
     # the 7B trainer's three shapes and 0.5B prefill-sized ones
@@ -546,19 +551,21 @@ def test_many_row_fp8_gemm_takes_cublas_with_the_kernels_bits_and_speed(capsys):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         x_fp8, (w, w_scale, _) = quantize_1x128(x), _fp8_and_bf16_weights(N, K)
         bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        # other data at the same keys, after the verdicts: outliers, rows of zeros, a row of one repeated value
+        other = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, K, device="cuda").to(torch.bfloat16)
+        other[: M // 8] = 0; other[-1] = 0.5
+        other_fp8 = quantize_1x128(other)
         for b in (None, bias):
-            fast = fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale, b)
-            chosen = [v for k, v in kernels._fast_chosen.items() if k[1:4] == (M, N, K) and k[5] == (None if b is None else b.dtype)]
-            kernels.cublas_when_same_bits = False
-            try: exact = fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale, b)
-            finally: kernels.cublas_when_same_bits = True
-            assert torch.equal(fast, exact), (M, N, K, b is None)
+            for a in (x_fp8, other_fp8):
+                fast = fp8_gemm_invariant(a, w, torch.bfloat16, w_scale, b)
+                exact = kernel_only(lambda: fp8_gemm_invariant(a, w, torch.bfloat16, w_scale, b))
+                assert same_bits(fast, exact), (M, N, K, b is None, a is other_fp8)
+            chosen = [v for k, v in kernels._fast_chosen.items()
+                      if k[1:6] == (M, N, K, torch.bfloat16, None if b is None else b.dtype)]
             assert chosen == [True], (M, N, K, chosen)     # cuBLAS ran it, and gave the kernel's bits
         if M == 10240:
             cublas = _graph_time_us(lambda: fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale))
-            kernels.cublas_when_same_bits = False
-            try: kernel = _graph_time_us(lambda: fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale))
-            finally: kernels.cublas_when_same_bits = True
+            kernel = kernel_only(lambda: _graph_time_us(lambda: fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale)))
             times[(N, K)] = cublas, kernel
             with capsys.disabled(): print(f"\nmany-row GEMM M={M} N={N} K={K}: cuBLAS {cublas:.1f} us, kernel {kernel:.1f} us")
     for (N, K), (cublas, kernel) in times.items():

@@ -304,5 +304,10 @@ def test_fast_gemm_used_only_where_it_gives_the_exact_bits():
             assert len(calls) == 1                                                  # never asked again
         assert fast_if_same_bits(("test", "unseen"), exact.clone, exact_gemm, capturing=True) is None
         assert ("test", "unseen") not in _fast_chosen                               # decided on an eager call
+        zeros = torch.zeros(4, 8)                    # -0.0 == +0.0 as values, not as bits: caught
+        assert fast_if_same_bits(("test", "sign"), lambda: -zeros, lambda: zeros) is None
+        def refuses(): raise RuntimeError("cuBLAS: layout not supported")
+        assert fast_if_same_bits(("test", "refused"), refuses, exact_gemm) is None   # a refusal: the exact kernel
+        assert _fast_chosen[("test", "refused")] is False
     finally:
         for key in [k for k in _fast_chosen if k[0] == "test"]: del _fast_chosen[key]
