@@ -422,6 +422,7 @@ def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False) -> "torc
     chosen = _fast_chosen.get(key)
     if chosen is False or (chosen is None and capturing): return None
     try: out = fast()
+    except torch.OutOfMemoryError: raise          # out of memory is no verdict on the bits
     except (RuntimeError, ValueError):
         if chosen: raise                          # it ran before at this key: an error now is not a refusal
         out, chosen = None, False
