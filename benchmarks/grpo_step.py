@@ -96,6 +96,9 @@ def main(argv=None):
     p.add_argument("--no-cublas-fprop", action="store_true",
                    help="many-row FP8 GEMMs (the trainer's forward, prefill) on jetrl's Triton kernel at every shape, not "
                         "on cuBLAS where it gives that kernel's bits (jetrl.kernels.cublas_when_same_bits; to compare)")
+    p.add_argument("--cublas-decode", action="store_true",
+                   help="decode GEMMs of 65-256 rows on cuBLAS too, where it gives the kernel's bits in less GPU time "
+                        "(jetrl.kernels.cublas_at_decode; off by default)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
@@ -107,6 +110,7 @@ def main(argv=None):
         fused_grad_quantizers(False).__enter__()                     # for the whole process
     import jetrl.kernels
     jetrl.kernels.cublas_when_same_bits = not args.no_cublas_fprop
+    jetrl.kernels.cublas_at_decode = args.cublas_decode
     world = None
     if args.distributed:
         from jetrl.distributed import init_world, shard_policy, sync_rollout_weights, rank_block
@@ -148,7 +152,7 @@ def main(argv=None):
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
-                        trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop,
+                        trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 11's check on one H200, in one device call (~8 minutes): the GPU tests first (kernels against the CPU oracle
+# Issue 11's check on one H200, in one device call (~9 minutes): the GPU tests first (kernels against the CPU oracle
 # and against each other, cuBLAS against the batch-invariant kernel bit for bit and its speed bound, the engine ==
 # trainer tests, the graphed trainer and train(cuda_graphs)), then the headline GRPO step side by side (bf16 and jet,
-# the GPU's default engines) at the 7B shape, and at the 0.5B shape with the trainer's log-probs from CUDA graphs (if
-# their tests passed) and without.
+# the GPU's default engines) at the 7B shape (and again with decode on cuBLAS where it is faster with the same bits:
+# --cublas-decode), and at the 0.5B shape with the trainer's log-probs from CUDA graphs (if their tests passed).
+# The 0.5B step without graphs (session 7: 0.65-0.69x) is `$STEP --model qwen2-0.5b`.
 # Results into $OUT (default benchmarks/results). From the repository root on the GPU machine:
 #   bash benchmarks/h200_step.sh
 # The FP8 linear against torchao is a call of its own (~4 minutes, torchao's blockwise compiles for 150 s):
@@ -18,9 +19,9 @@ tail -5 "$OUT/test_gpu_step.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | cut -c1-200
 STEP="python benchmarks/grpo_step.py --strategies bf16,jet --out $OUT/grpo_step_h200.jsonl"
 timeout 120 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing 2>&1 | grep "^{" | cut -c1-260
+timeout 120 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing --cublas-decode 2>&1 | grep "^{" | cut -c1-260
 if grep -q " passed" "$OUT/test_gpu_step.txt" && ! grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | grep -q -E "graphed|cuda_graphs"; then
   timeout 80 $STEP --model qwen2-0.5b --cuda-graphs 2>&1 | grep "^{" | cut -c1-260
 else
   echo "the graphed trainer's tests failed or did not finish: no --cuda-graphs step"
 fi
-timeout 70 $STEP --model qwen2-0.5b 2>&1 | grep "^{" | cut -c1-260

@@ -6,12 +6,13 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT', 'TMA_ALIGN',
-           'CUBLAS_MIN_ROWS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits', 'MAX_SHAPES_REMEMBERED',
-           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
-           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
-           'rms_norm_invariant', 'next_power_of_2', 'attention_invariant', 'cublas_may_run', 'same_bits',
-           'fast_if_same_bits', 'cublas_where_same_bits', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear',
-           'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'CUBLAS_MIN_ROWS', 'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT',
+           'cublas_when_same_bits', 'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'invariant_kernels_available',
+           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
+           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
+           'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits',
+           'cublas_where_same_bits', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'causal_key_mask',
+           'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 import functools, importlib.util, math, os
@@ -397,28 +398,50 @@ def _(q, k, v, q_columns, key_valid, scale): return torch.empty_like(q)
 
 # %% ../nbs/00a_kernels.ipynb #83d7bb42
 CUBLAS_MIN_ROWS = DECODE_MAX_ROWS + 1   # GEMMs of at least this many rows may run on cuBLAS (decode keeps the kernel)
+CUBLAS_DECODE_MIN_ROWS = TILE_ROWS + 1   # with `cublas_at_decode`: decode GEMMs of more rows than one tile may too
+GRAPH_TIMED_CALLS = 20                   # a decode GEMM's calls timed in one CUDA graph, per engine, when first seen
 CUBLAS_BLOCKWISE_LAYOUT = "blockwise_1x128_128x128"   # cuBLAS's name for these operands: 1x128 acts, 128x128 weights
 cublas_when_same_bits = True             # False: this kernel at every shape (to time it, or to rule cuBLAS out)
+cublas_at_decode = False                 # True: decode GEMMs too, where cuBLAS gives the bits in less GPU time (opt-in)
 _fast_chosen: dict[tuple, bool] = {}     # a GEMM's shape key -> whether cuBLAS runs it (it gave the kernel's bits)
 MAX_SHAPES_REMEMBERED = 4096             # the oldest verdict is dropped past this (it is then checked again)
 
 def cublas_may_run(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
-    """Whether a GEMM of `a_data`'s rows by `w_data` may try cuBLAS: enough rows, switched on, a GPU with blockwise FP8
-    GEMMs, and both operands E4M3 (cuBLAS's blockwise GEMM refuses E5M2 activations; the kernel takes them)."""
-    e4m3 = fp8_dtype("e4m3")
-    return (a_data.shape[0] >= CUBLAS_MIN_ROWS and cublas_when_same_bits and a_data.dtype == w_data.dtype == e4m3
+    """Whether a GEMM of `a_data`'s rows by `w_data` may try cuBLAS: enough rows (`CUBLAS_MIN_ROWS`, or with
+    `cublas_at_decode` `CUBLAS_DECODE_MIN_ROWS`), switched on, a GPU with blockwise FP8 GEMMs, and both operands E4M3
+    (cuBLAS's blockwise GEMM refuses E5M2 activations; the kernel takes them)."""
+    M, e4m3 = a_data.shape[0], fp8_dtype("e4m3")
+    enough_rows = M >= CUBLAS_MIN_ROWS or (cublas_at_decode and M >= CUBLAS_DECODE_MIN_ROWS)
+    return (enough_rows and cublas_when_same_bits and a_data.dtype == w_data.dtype == e4m3
             and a_data.device.type == "cuda" and has_fp8_kernel(a_data.device, CUBLAS_BLOCKWISE_LAYOUT))
+
+def graph_time_ms(fn, calls: int = GRAPH_TIMED_CALLS) -> float:
+    """GPU time of one call of `fn` in ms as a CUDA graph replays it: `calls` calls captured in one graph (after two
+    eager calls, one on a side stream, as capture wants), replayed once to warm up and once between CUDA events.
+    No host time is counted, unlike calls timed one by one."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side): fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls): fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(); graph.replay(); end.record(); end.synchronize()
+    return start.elapsed_time(end) / calls
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     "Whether two tensors hold the same bits (unlike `torch.equal`, -0.0 is not +0.0 and a NaN equals its own bits)."
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
                                                                        b.contiguous().view(torch.uint8))
 
-def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False) -> "torch.Tensor | None":
-    """`fast()` where, for this `key`, it was seen to give `exact()`'s bits, else None: the caller runs the exact
-    kernel. The first call with a key runs both, compares every bit and remembers the verdict; a `fast` that raises
-    there (a call cuBLAS refuses) counts as different. While `capturing` a CUDA graph nothing can be compared: an
-    unseen key gets None."""
+def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False, time_ms=None) -> "torch.Tensor | None":
+    """`fast()` where, for this `key`, it was seen to give `exact()`'s bits (and, given a clock `time_ms`, to take less
+    time), else None: the caller runs the exact kernel. The first call with a key runs both, compares every bit, times
+    both if asked, and remembers the verdict; a `fast` that raises there (a call cuBLAS refuses) counts as different.
+    While `capturing` a CUDA graph nothing can be compared: an unseen key gets None."""
     chosen = _fast_chosen.get(key)
     if chosen is False or (chosen is None and capturing): return None
     try: out = fast()
@@ -426,7 +449,7 @@ def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False) -> "torc
     except (RuntimeError, ValueError):
         if chosen: raise                          # it ran before at this key: an error now is not a refusal
         out, chosen = None, False
-    if chosen is None: chosen = same_bits(out, exact())
+    if chosen is None: chosen = same_bits(out, exact()) and (time_ms is None or time_ms(fast) < time_ms(exact))
     if key not in _fast_chosen:
         if len(_fast_chosen) >= MAX_SHAPES_REMEMBERED: del _fast_chosen[next(iter(_fast_chosen))]
         _fast_chosen[key] = chosen
@@ -434,7 +457,9 @@ def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False) -> "torc
 
 def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) -> "torch.Tensor | None":
     """`a @ w.T (+ bias)` by cuBLAS's blockwise FP8 GEMM where it gives `launch_fp8_gemm`'s bits (`fast_if_same_bits`),
-    else None. The bias is added as the kernel adds it: the product rounded to `out_dtype`, plus the rounded bias."""
+    else None; at decode sizes (at most `DECODE_MAX_ROWS` rows) only where it also takes less GPU time
+    (`graph_time_ms`). The bias is added as the kernel adds it: the product rounded to `out_dtype`, plus the rounded
+    bias."""
     (M, K), N = a_data.shape, w_data.shape[0]
     key = (a_data.device, M, N, K, out_dtype, None if bias is None else bias.dtype, _alignment(a_data), _alignment(w_data))
     def cublas():
@@ -443,7 +468,8 @@ def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) ->
     def kernel():
         out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
         return launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, fp8_gemm_tiles(M, N, K))
-    return fast_if_same_bits(key, cublas, kernel, torch.cuda.is_current_stream_capturing())
+    clock = graph_time_ms if M <= DECODE_MAX_ROWS else None      # many rows: cuBLAS was faster at every shape measured
+    return fast_if_same_bits(key, cublas, kernel, torch.cuda.is_current_stream_capturing(), clock)
 
 def _alignment(t: torch.Tensor) -> int: return min(t.data_ptr() & -t.data_ptr(), 256)   # cuBLAS may pick by it
 

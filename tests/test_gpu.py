@@ -574,6 +574,38 @@ def test_many_row_fp8_gemm_takes_cublas_with_the_kernels_bits_and_speed(capsys, 
     assert total_cublas <= CUBLAS_TRAINER_GEMMS_MAX_TIME_VS_KERNEL * total_kernel, (total_cublas, total_kernel)
 
 
+# With cublas_at_decode, a decode GEMM (65-256 rows) takes cuBLAS where it gives the kernel's bits in less GPU time,
+# timed from a CUDA graph when first seen. fp8_gemm_tiles_h200.jsonl (7B, 128 rows): cuBLAS 49.0 vs 65.4 us at the fused
+# gate+up, 14.3 vs 12.0 at q/o. Where the two differ by more than DECODE_CHOICE_CLEAR_MARGIN, the choice must follow.
+DECODE_CHOICE_CLEAR_MARGIN = 0.15
+
+@cuda
+def test_decode_fp8_gemm_takes_cublas_only_where_same_bits_and_faster(capsys, monkeypatch):
+    import jetrl.kernels as kernels
+    from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, same_bits
+    monkeypatch.setattr(kernels, "_fast_chosen", {})
+    monkeypatch.setattr(kernels, "cublas_at_decode", True)
+    torch.manual_seed(0)
+    hidden, kv, mlp = 3584, 512, 18944
+    for rows in (128, 256):
+        for N, K in ((hidden + 2 * kv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)):
+            x_fp8 = quantize_1x128(torch.randn(rows, K, device="cuda", dtype=torch.bfloat16))
+            w, w_scale, _ = _fp8_and_bf16_weights(N, K)
+            fast = fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale)
+            chosen = [v for k, v in kernels._fast_chosen.items() if k[1:4] == (rows, N, K)]
+            with monkeypatch.context() as m:
+                m.setattr(kernels, "cublas_when_same_bits", False)
+                exact = fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale)
+                kernel_us = _graph_time_us(lambda: fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale))
+            assert same_bits(fast, exact) and len(chosen) == 1, (rows, N, K, chosen)
+            cublas_us = _graph_time_us(lambda: kernels._fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale,
+                                                                 kernels.CUBLAS_BLOCKWISE_LAYOUT, torch.bfloat16))
+            with capsys.disabled(): print(f"\ndecode GEMM {rows} x {N} x {K}: cuBLAS {cublas_us:.1f} us, kernel {kernel_us:.1f} us, "
+                                          f"chosen {'cuBLAS' if chosen[0] else 'kernel'}")
+            if abs(cublas_us - kernel_us) > DECODE_CHOICE_CLEAR_MARGIN * min(cublas_us, kernel_us):
+                assert chosen[0] == (cublas_us < kernel_us), (rows, N, K, cublas_us, kernel_us, chosen)
+
+
 # A 7B decode layer's GEMMs at 128 rows, as the default engine runs them: FP8 q/k/v fused, o, gate+up fused, down,
 # against cuBLAS BF16's q, k, v, o, gate, up, down. Measured per layer (benchmarks/results/fp8_gemm_tiles_h200.jsonl,
 # session 6): 145 us in today's 128-row tiles (TMA, one warp group; measured before they read one weight scale per

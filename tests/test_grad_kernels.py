@@ -309,5 +309,15 @@ def test_fast_gemm_used_only_where_it_gives_the_exact_bits():
         def refuses(): raise RuntimeError("cuBLAS: layout not supported")
         assert fast_if_same_bits(("test", "refused"), refuses, exact_gemm) is None   # a refusal: the exact kernel
         assert _fast_chosen[("test", "refused")] is False
+        clocked = []
+        def clock(fn): clocked.append(fn); return 1.0 if fn is fast_gemm else 2.0      # the fast one is faster
+        fast_gemm = lambda: exact.clone()
+        assert torch.equal(fast_if_same_bits(("test", "faster"), fast_gemm, exact_gemm, time_ms=clock), exact)
+        assert clocked == [fast_gemm, exact_gemm]                                   # both timed, once
+        assert torch.equal(fast_if_same_bits(("test", "faster"), fast_gemm, exact_gemm, time_ms=clock), exact)
+        assert len(clocked) == 2
+        slower = lambda fn: 3.0 if fn is fast_gemm else 2.0                         # same bits, more time
+        assert fast_if_same_bits(("test", "slower"), fast_gemm, exact_gemm, time_ms=slower) is None
+        assert _fast_chosen[("test", "slower")] is False
     finally:
         for key in [k for k in _fast_chosen if k[0] == "test"]: del _fast_chosen[key]
