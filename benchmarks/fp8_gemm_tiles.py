@@ -13,8 +13,8 @@ import argparse, json, math, sys, platform
 import torch
 
 from jetrl.fp8 import quantize, fp8_mm, kernel_weight_scale
-from jetrl.kernels import (quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles, tma_loads_possible, loads_through_tma,
-                           next_power_of_2, DECODE_MAX_ROWS, TILE_ROWS)
+from jetrl.kernels import (graph_time_ms, quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles, tma_loads_possible,
+                           loads_through_tma, next_power_of_2, DECODE_MAX_ROWS, TILE_ROWS)
 
 SHAPES = {   # (N, K) per linear; q/k/v and gate/up also fused (their weights concatenated along N)
     "qwen2-7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "qkv": (4608, 3584), "gate/up": (18944, 3584),
@@ -28,22 +28,8 @@ DECODE_BLOCK_N = (32, 64, 128)
 
 
 def graph_time_us(fn, reps: int = 20, rounds: int = 5) -> float:
-    "Median time of one call of fn, from a CUDA graph of `reps` calls replayed `rounds` times."
-    fn(); torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2): fn()
-    torch.cuda.current_stream().wait_stream(stream); torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps): fn()
-    graph.replay(); torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); graph.replay(); end.record(); end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    "Median time of one call of fn in us, from a CUDA graph of `reps` calls replayed `rounds` times (jetrl's timer)."
+    return 1e3 * graph_time_ms(fn, reps, rounds)
 
 
 def measure(model: str, name: str, M: int, N: int, K: int) -> dict:

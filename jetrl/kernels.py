@@ -410,27 +410,32 @@ def cublas_may_run(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
     """Whether a GEMM of `a_data`'s rows by `w_data` may try cuBLAS: enough rows (`CUBLAS_MIN_ROWS`, or with
     `cublas_at_decode` `CUBLAS_DECODE_MIN_ROWS`), switched on, a GPU with blockwise FP8 GEMMs, and both operands E4M3
     (cuBLAS's blockwise GEMM refuses E5M2 activations; the kernel takes them)."""
-    M, e4m3 = a_data.shape[0], fp8_dtype("e4m3")
-    enough_rows = M >= CUBLAS_MIN_ROWS or (cublas_at_decode and M >= CUBLAS_DECODE_MIN_ROWS)
-    return (enough_rows and cublas_when_same_bits and a_data.dtype == w_data.dtype == e4m3
-            and a_data.device.type == "cuda" and has_fp8_kernel(a_data.device, CUBLAS_BLOCKWISE_LAYOUT))
+    M = a_data.shape[0]
+    if not cublas_when_same_bits or M < (CUBLAS_DECODE_MIN_ROWS if cublas_at_decode else CUBLAS_MIN_ROWS): return False
+    return (a_data.dtype == w_data.dtype == fp8_dtype("e4m3") and a_data.device.type == "cuda"
+            and has_fp8_kernel(a_data.device, CUBLAS_BLOCKWISE_LAYOUT))
 
-def graph_time_ms(fn, calls: int = GRAPH_TIMED_CALLS) -> float:
-    """GPU time of one call of `fn` in ms as a CUDA graph replays it: `calls` calls captured in one graph (after two
-    eager calls, one on a side stream, as capture wants), replayed once to warm up and once between CUDA events.
-    No host time is counted, unlike calls timed one by one."""
-    fn()
+def graph_time_ms(fn, calls: int = GRAPH_TIMED_CALLS, rounds: int = 3) -> float:
+    """GPU time of one call of `fn` in ms as a CUDA graph replays it: `calls` calls captured in one graph (after an
+    eager call and two on a side stream, as capture wants), replayed once to warm up, then the median of `rounds`
+    replays timed between CUDA events. No host time is counted, unlike calls timed one by one. The benchmarks and
+    the GPU tests time with it too."""
+    fn(); torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side): fn()
-    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.stream(side):
+        for _ in range(2): fn()
+    torch.cuda.current_stream().wait_stream(side); torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls): fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(); graph.replay(); end.record(); end.synchronize()
-    return start.elapsed_time(end) / calls
+    graph.replay(); torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); graph.replay(); end.record(); end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     "Whether two tensors hold the same bits (unlike `torch.equal`, -0.0 is not +0.0 and a NaN equals its own bits)."

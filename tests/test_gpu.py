@@ -492,10 +492,8 @@ def test_kernels_past_2_31_elements():
 
 def _graph_time_us(fn) -> float:
     "One call's time from a CUDA graph, measured as benchmarks/fp8_gemm_tiles.py measures (the numbers the bounds quote)."
-    import sys
-    sys.path.insert(0, "benchmarks")
-    from fp8_gemm_tiles import graph_time_us
-    return graph_time_us(fn)
+    from jetrl.kernels import graph_time_ms
+    return 1e3 * graph_time_ms(fn, calls=20, rounds=5)
 
 
 def _fp8_and_bf16_weights(N: int, K: int):
