@@ -25,6 +25,7 @@ SHAPES = {   # (N, K) per linear; q/k/v and gate/up also fused (their weights co
 TRAIN_TILES = [(128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (128, 128, 8, 3, 1), (128, 64, 4, 4, 8), (128, 64, 4, 3, 8),
                (128, 64, 8, 4, 8), (64, 128, 4, 4, 8), (128, 256, 8, 3, 8), (256, 128, 8, 3, 8)]
 DECODE_BLOCK_N = (32, 64, 128)
+DECODE_WARPS, DECODE_STAGES = (4, 8), (3, 5)
 
 
 def graph_time_us(fn, reps: int = 20, rounds: int = 5) -> float:
@@ -32,7 +33,7 @@ def graph_time_us(fn, reps: int = 20, rounds: int = 5) -> float:
     return 1e3 * graph_time_ms(fn, reps, rounds)
 
 
-def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
+def measure(model: str, name: str, M: int, N: int, K: int, all_row_tiles: bool = False) -> dict:
     torch.manual_seed(0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w_hp = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
@@ -43,9 +44,10 @@ def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
     reference = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     launch_fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale, None, reference, default)
     if M <= DECODE_MAX_ROWS:        # the default's row tile, and all rows in one tile (past 128 rows: the weight read twice)
-        row_tiles = sorted({default[0], max(TILE_ROWS, min(DECODE_MAX_ROWS, next_power_of_2(M)))})
-        candidates = [(bm, bn, warps, stages, 1) for bm in row_tiles for bn in DECODE_BLOCK_N for warps in (4, 8)
-                      for stages in (3, 5)]
+        row_tiles = sorted({default[0], max(TILE_ROWS, min(DECODE_MAX_ROWS, next_power_of_2(M)))}
+                           | ({TILE_ROWS} if all_row_tiles else set()))          # 64-row tiles: twice the programs
+        candidates = [(bm, bn, warps, stages, 1) for bm in row_tiles for bn in DECODE_BLOCK_N for warps in DECODE_WARPS
+                      for stages in DECODE_STAGES]
     else:
         candidates = TRAIN_TILES
     if default not in candidates: candidates = [default] + candidates
@@ -76,6 +78,8 @@ def measure(model: str, name: str, M: int, N: int, K: int) -> dict:
           f"| best {best} {ok[best]:8.1f} us ({tf(ok[best])} TF) | cuBLAS fp8 {row['cublas_fp8_us']:8.1f} ({tf(row['cublas_fp8_us'])}) "
           f"bf16 {row['cublas_bf16_us']:8.1f} ({tf(row['cublas_bf16_us'])})"
           + (f" | quantize {row['quantize_us']:.1f} us" if "quantize_us" in row else ""), flush=True)
+    fastest = sorted(ok, key=ok.get)[:5]
+    print("    fastest tiles (BLOCK_M, BLOCK_N, warps, stages, GROUP_M): " + ", ".join(f"{t} {ok[t]:.1f}" for t in fastest), flush=True)
     return row
 
 
@@ -83,13 +87,24 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="qwen2-7b,qwen2-0.5b")
     p.add_argument("--rows", default="10240,64,128", help="M values: trainer micro-batch tokens, decode batch rows")
+    p.add_argument("--linears", default=None, help="comma-separated names of SHAPES' linears (default: all)")
+    p.add_argument("--decode-block-n", default=None, help="decode tiles' column widths to try, e.g. 16,32,64")
+    p.add_argument("--decode-stages", default=None, help="decode tiles' pipeline stages to try, e.g. 3,6")
+    p.add_argument("--decode-warps", default=None, help="decode tiles' warps to try, e.g. 4,8")
+    p.add_argument("--all-row-tiles", action="store_true", help="at decode, also 64-row tiles (twice the programs)")
     p.add_argument("--out", default=None, help="append one JSON line per shape")
     args = p.parse_args(argv)
+    global DECODE_BLOCK_N, DECODE_STAGES, DECODE_WARPS
+    ints = lambda text: tuple(map(int, text.split(",")))
+    if args.decode_block_n: DECODE_BLOCK_N = ints(args.decode_block_n)
+    if args.decode_stages: DECODE_STAGES = ints(args.decode_stages)
+    if args.decode_warps: DECODE_WARPS = ints(args.decode_warps)
     meta = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for model in args.models.split(","):
         for M in map(int, args.rows.split(",")):
             for name, (N, K) in SHAPES[model].items():
-                row = measure(model, name, M, N, K) | meta
+                if args.linears and name not in args.linears.split(","): continue
+                row = measure(model, name, M, N, K, args.all_row_tiles) | meta
                 if args.out:
                     with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
                        KERNEL_BLOCK, has_fp8_kernel, kernel_layout)
 from .kernels import quantize_1x128, fp8_gemm_invariant, invariant_kernels_available, linear_invariant
+import jetrl.grad_kernels as grad_kernels
 from .grad_kernels import HP_DTYPES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers_active
 
 # %% ../nbs/01_linear.ipynb #7acb8cdc
@@ -188,12 +189,12 @@ class FP8LinearFunction(torch.autograd.Function):
             return saved_x if x_fp8 is None else x_fp8.dequantize(dy.dtype)
         fp8_dgrad = ctx.needs_input_grad[0] and recipe.is_fp8("dgrad")
         fp8_wgrad = ctx.needs_input_grad[1] and recipe.is_fp8("wgrad")
-        # blockwise 1x128 where the Triton quantizers run: dy's two layouts in one pass, Wgrad's x straight from its
-        # FP8 copy (jetrl.grad_kernels), the same bytes as the separate passes below
+        # blockwise 1x128 where the Triton quantizers run: Wgrad's x straight from its FP8 copy, and with
+        # `grad_kernels.dy_one_pass` dy's two layouts in one pass (jetrl.grad_kernels), the same bytes as the passes below
         fused = (recipe.block("dy", "dgrad") == (1, KERNEL_BLOCK) and not recipe.pow2_scale and dy.dtype in HP_DTYPES
                  and fused_grad_quantizers_active(dy.device))
         dy_dgrad = dy_wgrad = None
-        if fused and fp8_dgrad and fp8_wgrad: dy_dgrad, dy_wgrad = quantize_dual_1x128(dy2d, recipe.grad_fmt)
+        if fused and grad_kernels.dy_one_pass and fp8_dgrad and fp8_wgrad: dy_dgrad, dy_wgrad = quantize_dual_1x128(dy2d, recipe.grad_fmt)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if fp8_dgrad:

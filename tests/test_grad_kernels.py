@@ -8,6 +8,7 @@ Elsewhere (CI: no Triton) those tests are skipped and only the input checks and 
 import pytest
 import torch
 
+import jetrl.grad_kernels
 import jetrl.linear
 from jetrl.fp8 import FP8Tensor, KERNEL_BLOCK, quantize_unchecked
 from jetrl.kernels import HAS_TRITON, INTERPRETING, invariant_kernels_available
@@ -161,6 +162,13 @@ def run_backward(x, w, dy, recipe, bias=None, grads=(True, True)):
     return [None if t is None else t.grad for t in (xi, wi, bi)]
 
 
+@pytest.fixture(params=[False, True], ids=["dy-two-passes", "dy-one-pass"])
+def dy_one_pass(request, monkeypatch):
+    "Both ways of quantizing dy's two layouts: two quantize_1x128 passes (the default) and quantize_dual_1x128."
+    monkeypatch.setattr(jetrl.grad_kernels, "dy_one_pass", request.param)
+    return request.param
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     "Counts the backward's calls of the two fused quantizers."
@@ -179,7 +187,7 @@ def kernel_calls(monkeypatch):
 @pytest.mark.parametrize("recipe", [FP8Recipe("blockwise"), FP8Recipe("e5m2-grads", grad_fmt="e5m2"),
                                     FP8Recipe("e5m2-acts", act_fmt="e5m2")], ids=lambda r: r.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_backward_equals_old_passes_bitwise(recipe, dtype, kernel_calls):
+def test_fused_backward_equals_old_passes_bitwise(recipe, dtype, kernel_calls, dy_one_pass):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 150, 200, generator=g).to(dtype).to(DEVICE)              # 300 tokens, K = 200: partial groups
     w = (torch.randn(136, 200, generator=g) / 200**0.5).to(dtype).to(DEVICE)
@@ -187,14 +195,14 @@ def test_fused_backward_equals_old_passes_bitwise(recipe, dtype, kernel_calls):
     with fused_grad_quantizers(False): old = run_backward(x, w, dy, recipe, bias)
     assert kernel_calls == {"dual": 0, "requantize": 0}
     with fused_grad_quantizers(True): new = run_backward(x, w, dy, recipe, bias)
-    assert kernel_calls == {"dual": 1, "requantize": 1}                         # the new path did run
+    assert kernel_calls == {"dual": int(dy_one_pass), "requantize": 1}          # the new path did run
     for name, a, b in zip(("dx", "dW", "db"), old, new):
         assert torch.equal(a, b), f"{recipe.name} {dtype}: {name} differs"
 
 
 @needs_kernels
 @pytest.mark.parametrize("grads", [(False, True), (True, False)], ids=["weight-only", "input-only"])
-def test_fused_backward_with_one_gradient(grads, kernel_calls):
+def test_fused_backward_with_one_gradient(grads, kernel_calls, dy_one_pass):
     "Only dW (a first layer) or only dx (a frozen weight): no dual pass; the remaining operand as before, same bits."
     g = torch.Generator().manual_seed(1)
     x, w, dy = torch.randn(260, 384, generator=g), torch.randn(200, 384, generator=g) / 20, torch.randn(260, 200, generator=g)
@@ -210,13 +218,13 @@ def test_fused_backward_with_one_gradient(grads, kernel_calls):
 @pytest.mark.parametrize("recipe", [FP8Recipe("pow2", pow2_scale=True), FP8Recipe("rowwise", "rowwise"),
                                     FP8Recipe("tensorwise", "tensorwise"), FP8Recipe("g64", group_size=64),
                                     FP8Recipe("fprop-bf16", fp8_gemms=("dgrad", "wgrad"))], ids=lambda r: r.name)
-def test_other_recipes_keep_the_old_passes(recipe, kernel_calls):
+def test_other_recipes_keep_the_old_passes(recipe, kernel_calls, dy_one_pass):
     "Power-of-two scales, other granularities and group sizes never reach the kernels; an x saved in high precision is quantized as before."
     g = torch.Generator().manual_seed(2)
     x, w, dy = torch.randn(256, 256, generator=g), torch.randn(128, 256, generator=g) / 16, torch.randn(256, 128, generator=g)
     with fused_grad_quantizers(True): new = run_backward(x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE), recipe)
     with fused_grad_quantizers(False): old = run_backward(x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE), recipe)
-    uses_dual = recipe.name == "fprop-bf16"                # blockwise 1x128 gradients; only x comes unquantized
+    uses_dual = dy_one_pass and recipe.name == "fprop-bf16"   # blockwise 1x128 gradients; only x comes unquantized
     assert kernel_calls == {"dual": int(uses_dual), "requantize": 0}
     for a, b in zip(old, new):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -225,6 +233,7 @@ def test_other_recipes_keep_the_old_passes(recipe, kernel_calls):
 # ---- routing and errors (these run everywhere, Triton or not) ----
 
 def test_default_routing_keeps_the_cpu_path():
+    assert jetrl.grad_kernels.dy_one_pass is False           # two passes for dy: measured faster on an H200
     assert not fused_grad_quantizers_active("cpu")
     with fused_grad_quantizers(False): assert not fused_grad_quantizers_active("cuda")
     assert fused_grad_quantizers_active("cuda") == HAS_TRITON       # by default: any CUDA tensor, where Triton is installed
