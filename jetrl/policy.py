@@ -7,10 +7,10 @@ Docs: https://jetrl.github.io/jetrl/policy.html.md"""
 # %% auto #0
 __all__ = ['HP_DTYPES', 'STRATEGIES', 'LOGPROB_CHUNK_TOKENS', 'GRAPH_WARMUP_CALLS', 'GRAPH_WIDTH_BUCKET', 'GRAPH_MAX_CAPTURES',
            'CHECKPOINT_VERSION', 'TOKENIZER_SPLIT_PARTS', 'SUPPORTED_FAMILIES', 'PrecisionSpec', 'get_strategy',
-           'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'token_log_probs', 'train_log_probs',
-           'rollout_log_probs', 'GraphedLogProbs', 'recover_checkpoint', 'save_checkpoint', 'CheckpointError',
-           'read_checkpoint_meta', 'load_checkpoint', 'tokenizer_file_mismatch', 'load_model_and_tokenizer',
-           'load_policy']
+           'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'temperature_log_softmax',
+           'token_log_probs', 'train_log_probs', 'rollout_log_probs', 'GraphedLogProbs', 'recover_checkpoint',
+           'save_checkpoint', 'CheckpointError', 'read_checkpoint_meta', 'load_checkpoint', 'tokenizer_file_mismatch',
+           'load_model_and_tokenizer', 'load_policy']
 
 # %% ../nbs/04_policy.ipynb #e77fa0db
 import contextlib, copy, json, os, shutil, time, warnings
@@ -155,10 +155,18 @@ class Policy:
 # %% ../nbs/04_policy.ipynb #7099f4ed
 LOGPROB_CHUNK_TOKENS = 4096   # positions whose fp32 log-softmax over the vocabulary is held at once
 
+def temperature_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log-softmax of `logits / temperature` over the last dimension: the one formula the trainer's log-probs
+    and the rollout's sampling (`sample_next`) share, so that a row gets the same bits on both sides. At temperature 1
+    the division is skipped (x / 1 is x exactly) and the softmax kernel reads the logits in their own dtype, upcasting
+    to fp32 as it loads them: no fp32 copy of (tokens, vocab) is written, read back, and differentiated."""
+    if temperature == 1: return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
 def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     "hidden (n, H) -> log-prob of each target (n,) fp32 (and the entropy, no grad): logits / temperature, log-softmax."
-    logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)                   # (n, vocab) fp32
+    logp_all = temperature_log_softmax(head(hidden), temperature)                              # (n, vocab) fp32
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None
     return logp, entropy

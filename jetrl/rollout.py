@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from .linear import assume_synced_fp8_weights
-from .kernels import attend, next_power_of_2
-from .policy import Policy
+from .kernels import attend, backward_kernels_active, next_power_of_2, silu_mul_backward
+from .policy import Policy, temperature_log_softmax
 
 # %% ../nbs/05_rollout.ipynb #5a7cd8f1
 @dataclass(frozen=True)
@@ -77,7 +77,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32).
     With `uniforms` ((B,) in [0, 1)), row i takes the inverse CDF of its distribution at uniforms[i]: its draw
     depends on its own logits and uniform only, not on the other rows of the batch."""
-    scaled = logits.float() / params.temperature
+    truncated = params.top_k > 0 or params.top_p < 1
+    scaled = logits.float() / params.temperature if truncated else None
     if params.top_k > 0:
         kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -86,7 +87,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p      # keep the first token past top_p
         scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    logp = torch.log_softmax(scaled, dim=-1)
+    # the trainer's formula (temperature_log_softmax) wherever nothing is masked: the same bits on both sides
+    logp = torch.log_softmax(scaled, dim=-1) if truncated else temperature_log_softmax(logits, params.temperature)
     if params.do_sample and uniforms is not None:
         cdf = logp.exp().cumsum(-1)                                        # (B, V); a masked token adds 0: never picked
         tokens = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True).squeeze(-1)
@@ -279,7 +281,8 @@ _GATED_SILU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")   # down(a
 _SILU_MODULES = ("SiLU", "SiLUActivation")                               # torch's and transformers' (F.silu both)
 
 class _SiLUMul(torch.autograd.Function):
-    "silu(gate) * up that keeps only gate and up for backward: silu(gate) is recomputed there, by autograd's own ops."
+    """silu(gate) * up that keeps only gate and up for backward, where silu(gate) is recomputed: by one Triton kernel
+    where `backward_kernels_active` (a GPU), else by autograd's own ops."""
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
@@ -288,8 +291,10 @@ class _SiLUMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
         gate, up = ctx.saved_tensors
-        d_gate = torch.ops.aten.silu_backward(d_out * up, gate) if ctx.needs_input_grad[0] else None
-        d_up = d_out * torch.nn.functional.silu(gate) if ctx.needs_input_grad[1] else None
+        need_d_gate, need_d_up = ctx.needs_input_grad
+        if backward_kernels_active(gate.device): return silu_mul_backward(gate, up, d_out, need_d_gate, need_d_up)
+        d_gate = torch.ops.aten.silu_backward(d_out * up, gate) if need_d_gate else None
+        d_up = d_out * torch.nn.functional.silu(gate) if need_d_up else None
         return d_gate, d_up
 
 

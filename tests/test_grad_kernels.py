@@ -270,25 +270,29 @@ def test_bad_inputs_fail_before_any_work():
 
 @needs_kernels
 def test_fp8_gemm_default_launch_gives_a_row_the_same_bits_at_every_row_count():
-    """The forward's FP8 GEMM (jetrl.kernels) at the row counts where its launch changes: the 64-row decode tile (pointer
-    loads), the 128-row decode tiles (TMA, one warp group; one or two row tiles) and the trainer's 64 x 128
-    TMA tiles reading one weight scale per K block; every row must keep the bits it has among 300 rows. Ragged K and N
-    (3 K blocks, the last partial; 200 columns: the last weight block partial)."""
+    """The forward's FP8 GEMM (jetrl.kernels) at the row counts where its launch changes: 64-row decode tiles (pointer
+    loads up to 64 rows and with 16-column strips, TMA with wider strips; one to four row tiles), 128-row decode tiles
+    for wide weights (TMA; one or two row tiles; on a GPU only: the interpreter is slow at such widths) and the
+    trainer's 64 x 128 TMA tiles reading one weight scale per K block; every row must keep the bits it has among 300
+    rows. Ragged K and N (3 K blocks, the last partial; the last weight block partial)."""
     from jetrl.fp8 import quantize, kernel_weight_scale
     from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, fp8_gemm_tiles, loads_through_tma, DECODE_MAX_ROWS
-    M, K, N = DECODE_MAX_ROWS + 44, 2 * G + 16, 200
+    M, K = DECODE_MAX_ROWS + 44, 2 * G + 16
     g = torch.Generator().manual_seed(0)
     x = quantize_1x128(torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16))
-    w = quantize((torch.randn(N, K, generator=g) / K ** 0.5).to(DEVICE), (G, G))
-    full = fp8_gemm_invariant(x, w, torch.bfloat16, kernel_weight_scale(w))
-    assert loads_through_tma(M, fp8_gemm_tiles(M, N, K)) and fp8_gemm_tiles(M, N, K)[1] == G
     launches = set()
-    for rows in (1, 64, 65, 128, 129, DECODE_MAX_ROWS):
-        tiles = fp8_gemm_tiles(rows, N, K)
-        launches.add((tiles[0], loads_through_tma(rows, tiles), -(-rows // tiles[0])))   # (rows, TMA, row tiles)
-        part = FP8Tensor(x.data[:rows], x.scale[:rows], x.block, x.fmt)
-        assert torch.equal(fp8_gemm_invariant(part, w, torch.bfloat16), full[:rows]), f"{rows} rows ({tiles}): other bits"
-    assert launches == {(64, False, 1), (128, True, 1), (128, True, 2)}       # every decode launch was exercised
+    for N in (200, 2200) + ((16500,) if DEVICE == "cuda" else ()):           # 16- and 64-column strips; wide weights
+        w = quantize((torch.randn(N, K, generator=g) / K ** 0.5).to(DEVICE), (G, G))
+        full = fp8_gemm_invariant(x, w, torch.bfloat16, kernel_weight_scale(w))
+        assert loads_through_tma(M, fp8_gemm_tiles(M, N, K)) and fp8_gemm_tiles(M, N, K)[1] == G
+        for rows in (1, 64, 65, 128, 129, DECODE_MAX_ROWS):
+            tiles = fp8_gemm_tiles(rows, N, K)
+            launches.add((tiles[0], loads_through_tma(rows, tiles), -(-rows // tiles[0])))   # (rows, TMA, row tiles)
+            part = FP8Tensor(x.data[:rows], x.scale[:rows], x.block, x.fmt)
+            assert torch.equal(fp8_gemm_invariant(part, w, torch.bfloat16), full[:rows]), f"{rows} rows ({tiles}): other bits"
+    every = {(64, False, 1), (64, False, 2), (64, False, 4), (64, True, 2), (64, True, 3), (64, True, 4)}
+    if DEVICE == "cuda": every |= {(128, True, 1), (128, True, 2)}
+    assert every <= launches, every - launches                             # every decode launch was exercised
 
 
 # ---- cuBLAS for many-row FP8 GEMMs only where it gives the kernel's bits (jetrl.kernels.fast_if_same_bits) -----------

@@ -581,3 +581,13 @@ def test_graphed_log_probs_refuse_a_sharded_model():
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "REFUSED:" in done.stdout and "sharded with FSDP" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_temperature_log_softmax_is_the_fp32_log_softmax():
+    "At temperature 1 the kernel upcasts as it reads (no fp32 copy): within an ulp of the upcast-first formula."
+    from jetrl.policy import temperature_log_softmax
+    logits = (torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    got = temperature_log_softmax(logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.log_softmax(logits.float(), -1), rtol=0, atol=2e-6)   # |log p| < 40: ulp 4e-6
+    assert torch.equal(temperature_log_softmax(logits, 0.7), torch.log_softmax(logits.float() / 0.7, -1))

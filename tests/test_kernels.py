@@ -1,0 +1,217 @@
+"""Tests of the trainer's backward kernels in `jetrl.kernels`: `rms_norm_backward` (dx and dweight of RMSNorm) and
+`silu_mul_backward` (d_gate and d_up of the gated MLP's `silu(gate) * up`) against the plain-torch references, and a
+model's gradients with them on and off. The kernels run where Triton runs: on a CUDA GPU, or on the CPU under
+Triton's interpreter
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py        (Triton installed; ~1 minute on 2 cores)
+
+Elsewhere (CI: no Triton) the kernel tests are skipped and only the routing and input checks run.
+
+Tolerances. The kernels compute in fp32 and round where autograd rounds, so they agree with autograd's recompute
+within a bf16 rounding: an element of dx may differ by one bf16 ulp (2^-7 relative at most) where the two fp32
+values, apart by their order of summation (~1e-7 relative), straddle a rounding boundary; `DX_ULPS`. Where heavy
+cancellation makes dx tiny, that fp32 difference itself shows: an absolute 1e-5 of the row's largest value. dweight
+sums over rows in another order (and each term holds `normed.to(bf16)`, whose rounding flips as dx's do): within
+2^-10 of its norm, a quarter of one bf16 rounding (`DWEIGHT_REL`); observed ~3e-5. The SiLU-mul kernel rounds each
+output once from fp32, so it lies within one bf16 ulp of the exact (float64) value; torch's ops round `d_out * up`
+and `silu(gate)` first too, so the two lie within 2^-6 (four half-ulps) of each other.
+
+Triton 3.6's interpreter truncates its fp32 -> bf16 casts (`00b_grad_kernels`), where the GPU rounds to nearest even:
+up to a whole ulp off at every cast. The `round_to_nearest_bf16` fixture gives the interpreter the GPU's cast, so
+these bounds hold on the CPU as on a GPU."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jetrl.kernels import (INTERPRETING, NORM_BACKWARD_PROGRAMS, _rms_norm_backward_autograd, backward_kernels,
+                           backward_kernels_active, invariant_kernels_available, rms_norm_backward, silu_mul_backward)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not invariant_kernels_available(DEVICE),
+                                   reason="needs Triton: a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
+BF16_ULP_REL = 2**-7      # one bf16 ulp, relative to the value, at most (8 significant bits)
+DX_ULPS = 1               # dx: one rounding flip at most
+CANCELLATION_ABS = 1e-5   # of the largest |value|: fp32 differences left where a value nearly cancels
+DWEIGHT_REL = 2**-10      # dweight: norm of the difference over the norm of autograd's
+SILU_VS_EXACT_REL = 2**-7     # the kernel: one rounding of an fp32 value (half an ulp), with room for fp32's own error
+SILU_VS_TORCH_REL = 2**-6     # the kernel against torch's ops, which round up to three times
+
+
+@pytest.fixture
+def round_to_nearest_bf16(monkeypatch):
+    "Under Triton's interpreter, fp32 -> bf16 casts rounded to nearest even by torch, as the GPU's (on a GPU: nothing)."
+    if not INTERPRETING: return
+    import triton.language as tl
+    from triton.runtime import interpreter
+    truncating = interpreter.InterpreterBuilder.cast_impl
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:      # bf16 lives in uint16 there
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(rounded.numpy().view(np.uint16), dst_type.scalar)
+        return truncating(self, src, dst_type)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float = DX_ULPS):
+    "Every element within `ulps` bf16 ulps of `want` (relative), or within CANCELLATION_ABS of its largest value."
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    got, want = got.double(), want.double()
+    bound = ulps * BF16_ULP_REL * want.abs() + CANCELLATION_ABS * want.abs().max()
+    worst = ((got - want).abs() - bound).max().item()
+    assert worst <= 0, f"an element is {worst:.2e} past {ulps} ulp(s)"
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def norm_inputs(shape, weight_dtype, x_dtype=torch.bfloat16, seed=0, strided_dy=True):
+    "x, weight, and dy in y's dtype (the promotion), dy a non-contiguous view when `strided_dy`."
+    g = torch.Generator().manual_seed(seed)
+    H = shape[-1]
+    x = torch.randn(shape, generator=g).to(x_dtype)
+    weight = (torch.rand(H, generator=g) + 0.5).to(weight_dtype)
+    y_dtype = torch.promote_types(x_dtype, weight_dtype)
+    dy = torch.randn(*shape[:-1], 2 * H, generator=g).to(y_dtype)[..., ::2] if strided_dy else \
+        torch.randn(shape, generator=g).to(y_dtype)
+    return x.to(DEVICE), weight.to(DEVICE), dy.to(DEVICE)
+
+
+# ---- RMSNorm's backward ----
+
+@needs_kernels
+@pytest.mark.parametrize("H", [96, 200, 8192])                   # 200: masked columns; 8,192: the widest asked for
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("programs", [NORM_BACKWARD_PROGRAMS, 4])  # one row per program, or ten rows of 39 each
+def test_rms_norm_backward_matches_autograd(H, weight_dtype, programs, round_to_nearest_bf16):
+    x, weight, dy = norm_inputs((3, 13, H), weight_dtype)          # 3-D, 39 rows, dy strided
+    assert not dy.is_contiguous()
+    dx, dweight = rms_norm_backward(x, weight, dy, 1e-6, programs=programs)
+    want_dx, want_dweight = _rms_norm_backward_autograd(x, weight, dy, 1e-6)
+    assert_within_ulps(dx, want_dx)
+    assert dweight.dtype == weight.dtype and dweight.shape == weight.shape
+    assert relative(dweight, want_dweight) <= DWEIGHT_REL
+
+
+@needs_kernels
+def test_rms_norm_backward_fp32_input_agrees_to_fp32_rounding():
+    "x and weight in fp32: no bf16 rounding anywhere, so the kernel and autograd differ by fp32's order of sums alone."
+    x, weight, dy = norm_inputs((37, 200), torch.float32, x_dtype=torch.float32)
+    dx, dweight = rms_norm_backward(x, weight, dy, 1e-5, programs=5)
+    want_dx, want_dweight = _rms_norm_backward_autograd(x, weight, dy, 1e-5)
+    assert relative(dx, want_dx) < 1e-5 and relative(dweight, want_dweight) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("need_dx, need_dweight", [(True, False), (False, True)])
+def test_rms_norm_backward_one_gradient(need_dx, need_dweight, round_to_nearest_bf16):
+    x, weight, dy = norm_inputs((2, 9, 200), torch.float32)
+    both = rms_norm_backward(x, weight, dy, 1e-6, programs=4)
+    one = rms_norm_backward(x, weight, dy, 1e-6, need_dx, need_dweight, programs=4)
+    for asked, got, full in zip((need_dx, need_dweight), one, both):
+        assert (got is None) if not asked else torch.equal(got, full)
+
+
+@needs_kernels
+def test_rms_norm_backward_of_no_rows():
+    x, weight, dy = norm_inputs((0, 200), torch.float32, strided_dy=False)
+    dx, dweight = rms_norm_backward(x, weight, dy, 1e-6)
+    assert dx.shape == (0, 200) and torch.equal(dweight, torch.zeros_like(weight))
+
+
+def test_rms_norm_backward_checks_shapes():
+    x, weight, dy = norm_inputs((4, 200), torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_backward(x, weight[:100], dy, 1e-6)
+    with pytest.raises(ValueError, match="dy"):
+        rms_norm_backward(x, weight, dy[:2], 1e-6)
+
+
+# ---- the MLP's SiLU-mul backward ----
+
+def silu_mul_inputs(shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype).to(DEVICE) for _ in range(3)]
+
+
+def exact_silu_mul_grads(gate, up, d_out):
+    "(d_gate, d_up) in float64 from the same inputs: the exact values."
+    g, u, d = gate.double(), up.double(), d_out.double()
+    s = torch.sigmoid(g)
+    return d * u * s * (1 + g * (1 - s)), d * g * s
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(3, 7, 200), (5, 1000)])       # 4,200 and 5,000 values: a partial last block
+def test_silu_mul_backward_matches_exact_and_torch(shape, round_to_nearest_bf16):
+    gate, up, d_out = silu_mul_inputs(shape)
+    d_gate, d_up = silu_mul_backward(gate, up, d_out)
+    assert d_gate.dtype == d_up.dtype == torch.bfloat16
+    for got, exact in zip((d_gate, d_up), exact_silu_mul_grads(gate, up, d_out)):
+        assert_within_ulps(got.double(), exact, ulps=SILU_VS_EXACT_REL / BF16_ULP_REL)
+    torch_d_gate, torch_d_up = torch.ops.aten.silu_backward(d_out * up, gate), d_out * F.silu(gate)
+    assert_within_ulps(d_gate, torch_d_gate, ulps=SILU_VS_TORCH_REL / BF16_ULP_REL)
+    assert_within_ulps(d_up, torch_d_up, ulps=SILU_VS_TORCH_REL / BF16_ULP_REL)
+
+
+@needs_kernels
+def test_silu_mul_backward_one_gradient_and_strided_inputs():
+    gate, up, d_out = silu_mul_inputs((6, 300))
+    both = silu_mul_backward(gate, up, d_out)
+    d_gate, none = silu_mul_backward(gate, up, d_out, need_d_up=False)
+    none_too, d_up = silu_mul_backward(gate, up, d_out, need_d_gate=False)
+    assert none is None and none_too is None and torch.equal(d_gate, both[0]) and torch.equal(d_up, both[1])
+    strided = silu_mul_backward(gate.t().contiguous().t(), up, d_out.t().contiguous().t())     # column-major views
+    assert torch.equal(strided[0], both[0]) and torch.equal(strided[1], both[1])
+
+
+def test_silu_mul_backward_checks_shapes():
+    gate, up, d_out = silu_mul_inputs((4, 10))
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul_backward(gate, up[:2], d_out)
+
+
+# ---- which backward runs, and a model's gradients with the kernels on and off ----
+
+def test_backward_kernels_routing():
+    assert not backward_kernels_active("cpu")                   # the CPU keeps the torch ops, interpreter or not
+    with backward_kernels(False): assert not backward_kernels_active(DEVICE)
+    with backward_kernels(True): assert backward_kernels_active("cpu") == invariant_kernels_available("cpu")
+    assert backward_kernels_active(DEVICE) == (DEVICE == "cuda" and invariant_kernels_available(DEVICE))
+
+
+def tiny_qwen2_grads(kernels: bool, dtype: torch.dtype, seed: int = 0):
+    "Gradients of a loss through the trainer's forward (`sequence_forward`) of a 2-layer Qwen2 on the invariant kernels."
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from jetrl.kernels import use_invariant_kernels
+    from jetrl.rollout import sequence_forward
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=100)).to(DEVICE, dtype)
+    use_invariant_kernels(model, exact=False)                   # RMSNorm and attention: kernels; linears: torch's
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    mask = torch.ones_like(ids); mask[0, :3] = 0
+    with backward_kernels(kernels):
+        hidden = sequence_forward(model, ids, mask)
+        torch.log_softmax(model.lm_head(hidden).float(), -1)[..., 5].sum().backward()
+    return {name: p.grad.float() for name, p in model.named_parameters()}
+
+
+@needs_kernels
+def test_tiny_qwen2_gradients_same_with_backward_kernels_on_and_off(monkeypatch):
+    """fp32: every gradient of the model within fp32 rounding (the kernels sum in another order). On the CPU this runs
+    the kernels under the interpreter, in every norm and MLP of the model's backward."""
+    import jetrl.kernels, jetrl.rollout
+    calls = []
+    def counted(name, module):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or kernel(*a, **k))
+    counted("rms_norm_backward", jetrl.kernels); counted("silu_mul_backward", jetrl.rollout)
+    on = tiny_qwen2_grads(True, torch.float32)
+    assert sorted(calls) == ["rms_norm_backward"] * 5 + ["silu_mul_backward"] * 2      # 2 x 2 layer norms + the final one
+    calls.clear()
+    off = tiny_qwen2_grads(False, torch.float32)
+    assert calls == [] and on.keys() == off.keys()
+    for name in on:
+        assert relative(on[name], off[name]) < 1e-5, name
