@@ -188,8 +188,9 @@ def _kernels():
                           HAS_D_UP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
         # out = silu(g) * u, silu(g) = g * sigmoid(g): d_up = d * silu(g), d_gate = d * u * silu'(g) with
         # silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g). In fp32, each output rounded once.
-        start = tl.program_id(0) * BLOCK
-        if WIDE: start = start.to(tl.int64)
+        pid = tl.program_id(0)
+        if WIDE: pid = pid.to(tl.int64)                  # widened before the product: pid * BLOCK may pass 2^31
+        start = pid * BLOCK
         offsets = start + tl.arange(0, BLOCK)
         ok = offsets < n
         g = tl.load(gate_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
@@ -308,7 +309,7 @@ def fp8_gemm_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     Decode (at most `DECODE_MAX_ROWS` rows) puts its rows in 64-row tiles and the columns in narrow strips, so that
     many SMs stream the weight (65-256 rows: 0.5B and 7B linears at 128 and 256 rows, 4.8-6% less GPU time per layer
     than the 128-row tiles of before, `fp8_gemm_tiles.py --all-row-tiles`), except where the weight is so wide that
-    128-row tiles give `WIDE_DECODE_PROGRAMS` programs already (the 7B and 0.5B gate+up: faster so); many rows (prefill, the trainer) get tiles of 64 x 128 with one warp
+    128-row tiles give `WIDE_DECODE_PROGRAMS` programs already (the 7B gate+up; the 0.5B gate+up past 128 rows); many rows (prefill, the trainer) get tiles of 64 x 128 with one warp
     group, visited in groups: the tile's 128 columns are one weight block, so each K block's rescale is one multiply per row (measured
     1.14-1.26x the 128 x 64 tiles' per-element rescale at the 7B trainer shapes, 1.21-1.59x at 0.5B:
     `benchmarks/fp8_gemm_trainer.py --next`)."""
@@ -591,6 +592,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, e
     """(dx, dweight) of `_reference_rms_norm(x, weight, eps)` for the output gradient `dy` (y's shape; any strides), in
     one Triton kernel; None for a gradient not asked for. x (..., H) with weight (H,), any H (a row in registers:
     8,192 and more). `programs`: how many programs (at most) share the rows, each a run of them: dweight's partial sums."""
+    if programs < 1: raise ValueError(f"rms_norm_backward needs programs >= 1 (rows are split among them), got {programs}.")
     if weight.shape != (x.shape[-1],) or dy.shape != x.shape:
         raise ValueError(f"rms_norm_backward takes x (..., H), weight (H,) and dy of x's shape: got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}, dy {tuple(dy.shape)}.")

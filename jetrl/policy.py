@@ -158,10 +158,10 @@ LOGPROB_CHUNK_TOKENS = 4096   # positions whose fp32 log-softmax over the vocabu
 def temperature_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 log-softmax of `logits / temperature` over the last dimension: the one formula the trainer's log-probs
     and the rollout's sampling (`sample_next`) share, so that a row gets the same bits on both sides. At temperature 1
-    the division is skipped (x / 1 is x exactly) and the softmax kernel reads the logits in their own dtype, upcasting
-    to fp32 as it loads them: no fp32 copy of (tokens, vocab) is written, read back, and differentiated."""
-    if temperature == 1: return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+    the division is skipped: x / 1 is x exactly, so the bits are the same, and a pass over (tokens, vocab) fp32 values
+    (and its backward) is saved."""
+    scaled = logits.float()
+    return torch.log_softmax(scaled if temperature == 1 else scaled / temperature, dim=-1)
 
 def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -759,7 +759,8 @@ def test_train_with_cuda_graphs_equals_eager_train_under_jet(tmp_path):
 
 # The profile of a 7B micro-batch (16 x 640 tokens) had autograd's RMSNorm recompute at 1.57 ms per call, where x, dy
 # and dx once take ~0.06 ms, and the SiLU-mul's four torch passes at 1.03 ms: they move 11 tensors' bytes, the kernel 5.
-# The bounds sit well under those ratios (not yet measured on a GPU).
+# Measured on an H200 (session 9, test_gpu_session9_call6.txt): RMSNorm backward 33.8 vs 382.4 us (11.3x) at
+# (2048, 3584) with an fp32 weight; SiLU-mul backward 101.4 vs 207.1 us (2.04x) at (2048, 18944). The bounds sit under them.
 RMS_NORM_BACKWARD_MIN_SPEEDUP = 5.0
 SILU_MUL_BACKWARD_MIN_SPEEDUP = 1.5
 

@@ -584,10 +584,23 @@ def test_graphed_log_probs_refuse_a_sharded_model():
 
 
 def test_temperature_log_softmax_is_the_fp32_log_softmax():
-    "At temperature 1 the kernel upcasts as it reads (no fp32 copy): within an ulp of the upcast-first formula."
+    "The upcast-first formula, bit for bit; at temperature 1 without the division (x / 1 is x exactly)."
     from jetrl.policy import temperature_log_softmax
     logits = (torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
     got = temperature_log_softmax(logits)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, torch.log_softmax(logits.float(), -1), rtol=0, atol=2e-6)   # |log p| < 40: ulp 4e-6
+    assert torch.equal(got, torch.log_softmax(logits.float() / 1.0, -1))
     assert torch.equal(temperature_log_softmax(logits, 0.7), torch.log_softmax(logits.float() / 0.7, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_sampler_and_trainer_log_probs_are_the_same_bits(dtype, temperature):
+    "sample_next's log-prob of the token it picks equals the trainer's head log-prob of that token, every bit."
+    from jetrl.policy import _head_log_probs
+    from jetrl.rollout import sample_next, SamplingParams
+    logits = (torch.randn(6, 777, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    for params in (SamplingParams(temperature=temperature, seed=0), SamplingParams(temperature=temperature, seed=0, top_k=777)):
+        tokens, sampled = sample_next(logits, params, torch.Generator().manual_seed(0))
+        trainer, _ = _head_log_probs(nn.Identity(), logits, tokens, temperature, False)
+        assert torch.equal(sampled, trainer), (dtype, temperature, params.top_k)
