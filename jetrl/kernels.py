@@ -9,12 +9,13 @@ __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITO
            'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'CUBLAS_MIN_ROWS', 'CUBLAS_DECODE_MIN_ROWS',
            'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits', 'cublas_at_decode',
            'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP', 'MAX_NORM_WARPS', 'SILU_BLOCK',
-           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
-           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
-           'rms_norm_invariant', 'next_power_of_2', 'attention_invariant', 'cublas_may_run', 'graph_time_ms',
-           'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits', 'rms_norm_backward', 'silu_mul_backward',
-           'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear',
-           'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'invariant_kernels_available',
+           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
+           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
+           'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits',
+           'cublas_where_same_bits', 'rms_norm_backward', 'silu_mul_backward', 'backward_kernels',
+           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear',
+           'selective_log_softmax', 'causal_key_mask', 'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -710,6 +711,152 @@ class InvariantLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: return linear_invariant(x, self.weight, self.bias)
+
+# %% ../nbs/00a_kernels.ipynb #7d76b1fa
+VOCAB_BLOCK = 4096          # columns per step of a row's online max and sum: the order of its sum, whatever the rows
+LOG_SOFTMAX_WARPS = 8       # warps of a row's program: 16 columns a thread per block (two 16-byte loads of bf16)
+LOG_SOFTMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)   # logits the kernels read (fp32 inside)
+
+@functools.cache
+def _log_softmax_forward_kernel():
+    "The selective log-softmax's forward kernel, built on first use."
+    triton, tl = _triton()
+
+    @triton.jit
+    def selective_log_softmax(x_ptr, target_ptr, logp_ptr, lse_ptr, V, stride_x, temperature,
+                              SCALED: tl.constexpr, BLOCK: tl.constexpr):
+        # One row per program: z = x / T in fp32 (IEEE division, as torch's; none at T = 1), a running max m and
+        # sum s of exp(z - m) over blocks of BLOCK columns in order, lse = m + log(s), log p = z[target] - lse.
+        row = tl.cast(tl.program_id(0), tl.int64)        # 64-bit row offsets: (tokens x vocab) passes 2^31
+        x_row = x_ptr + row * stride_x
+        cols = tl.arange(0, BLOCK)
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            z = tl.load(x_row + c, mask=c < V, other=float("-inf")).to(tl.float32)
+            if SCALED: z = tl.math.div_rn(z, temperature)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row all -inf so far: no NaN from -inf - -inf
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        target = tl.load(target_ptr + row)
+        valid = (target >= 0) & (target < V)                 # an id outside the vocabulary: NaN, and no stray read
+        z_t = tl.load(x_row + target, mask=valid, other=0.0).to(tl.float32)
+        if SCALED: z_t = tl.math.div_rn(z_t, temperature)
+        tl.store(logp_ptr + row, tl.where(valid, z_t - lse, float("nan")))
+        tl.store(lse_ptr + row, lse)
+
+    return selective_log_softmax
+
+def _launch_params(logits: torch.Tensor, temperature: float) -> dict:
+    "What both kernels take beside their tensors: V, the row stride, T, and whether to divide by it."
+    return dict(V=logits.shape[1], stride_x=logits.stride(0), temperature=float(temperature),
+                SCALED=temperature != 1, BLOCK=VOCAB_BLOCK, num_warps=LOG_SOFTMAX_WARPS)
+
+@eager_custom_op("jetrl::selective_log_softmax", mutates_args=())
+def _selective_log_softmax_op(logits: torch.Tensor, targets: torch.Tensor,
+                              temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    "(log p of each row's target, lse of each row), both (n,) fp32, by the forward kernel: logits (n, V), unit column stride."
+    n = logits.shape[0]
+    logp = torch.empty(n, device=logits.device, dtype=torch.float32)
+    lse = torch.empty(n, device=logits.device, dtype=torch.float32)
+    if n: _log_softmax_forward_kernel()[(n,)](logits, targets, logp, lse, **_launch_params(logits, temperature))
+    return logp, lse
+
+@_selective_log_softmax_op.register_fake
+def _(logits, targets, temperature):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+# %% ../nbs/00a_kernels.ipynb #c817cd73
+@functools.cache
+def _log_softmax_backward_kernel():
+    "The selective log-softmax's backward kernel, built on first use."
+    triton, tl = _triton()
+
+    @triton.jit
+    def selective_log_softmax_backward(x_ptr, target_ptr, lse_ptr, grad_ptr, dx_ptr, V, stride_x, stride_dx,
+                                       temperature, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+        # One row per program: d x_j = g / T * (1[j == target] - exp(z_j - lse)), z recomputed as the forward has it,
+        # in fp32, rounded once to dx's dtype. g / T once a row (torch divides each element: an fp32 ulp apart).
+        row = tl.cast(tl.program_id(0), tl.int64)
+        x_row, dx_row = x_ptr + row * stride_x, dx_ptr + row * stride_dx
+        cols = tl.arange(0, BLOCK)
+        target = tl.load(target_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        g = tl.load(grad_ptr + row)
+        if SCALED: g = tl.math.div_rn(g, temperature)
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            ok = c < V
+            z = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
+            if SCALED: z = tl.math.div_rn(z, temperature)
+            d = g * (tl.where(c == target, 1.0, 0.0) - tl.exp(z - lse))
+            tl.store(dx_row + c, d.to(dx_ptr.dtype.element_ty), mask=ok)
+
+    return selective_log_softmax_backward
+
+@eager_custom_op("jetrl::selective_log_softmax_backward", mutates_args=())
+def _selective_log_softmax_backward_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                                       grad_logp: torch.Tensor, temperature: float) -> torch.Tensor:
+    "d logits (n, V) in the logits' dtype for the output gradient grad_logp (n,) fp32, by the backward kernel."
+    d_logits = torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
+    if logits.numel():
+        _log_softmax_backward_kernel()[(logits.shape[0],)](
+            logits, targets, lse, grad_logp.float().contiguous(), d_logits, stride_dx=d_logits.stride(0),
+            **_launch_params(logits, temperature))
+    return d_logits
+
+@_selective_log_softmax_backward_op.register_fake
+def _(logits, targets, lse, grad_logp, temperature): return torch.empty_like(logits)
+
+# %% ../nbs/00a_kernels.ipynb #eb4e41e5
+def _reference_selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    "The torch formula (the trainer's `temperature_log_softmax(...).gather`): the fallback, and the tests' oracle."
+    scaled = logits.float()
+    return torch.log_softmax(scaled if temperature == 1 else scaled / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    "Forward and backward by the two kernels; saves the logits (as they are), the targets and each row's lse."
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        logp, lse = _selective_log_softmax_op(logits, targets, temperature)
+        ctx.save_for_backward(logits, targets, lse); ctx.temperature = temperature
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        logits, targets, lse = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]: return None, None, None
+        return _selective_log_softmax_backward_op(logits, targets, lse, grad_logp, ctx.temperature), None, None
+
+def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(targets[i]) under `log_softmax(logits[i].float() / temperature)`: logits (n, V) in bf16, fp16 or fp32
+    (any row stride), targets (n,) integer ids -> (n,) fp32, differentiable w.r.t. the logits (a gradient in their
+    dtype). Where Triton runs (a GPU; the CPU under the interpreter) two kernels that read the logits once forward and
+    once backward, each row's bits independent of the other rows; elsewhere the torch formula. A target id outside
+    [0, V) raises on the CPU; on a GPU it is not checked (that would wait for the GPU): its log-prob is NaN."""
+    if logits.dim() != 2 or logits.dtype not in LOG_SOFTMAX_DTYPES:
+        raise ValueError(f"selective_log_softmax takes logits (n, V) in one of {LOG_SOFTMAX_DTYPES}: got "
+                         f"{tuple(logits.shape)} {logits.dtype}.")
+    if targets.dim() != 1 or targets.shape[0] != logits.shape[0] or targets.is_floating_point() or targets.is_complex() \
+            or targets.dtype == torch.bool:
+        raise ValueError(f"selective_log_softmax takes targets (n,) of integer ids for logits {tuple(logits.shape)}: "
+                         f"got {tuple(targets.shape)} {targets.dtype}.")
+    if targets.device != logits.device:
+        raise ValueError(f"selective_log_softmax: targets on {targets.device}, logits on {logits.device}.")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"selective_log_softmax needs a finite temperature > 0, got {temperature}.")
+    V = logits.shape[1]
+    if V == 0: raise ValueError("selective_log_softmax needs a vocabulary of at least one column (V = 0).")
+    if logits.device.type == "cpu" and targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < V):
+        raise ValueError(f"selective_log_softmax: a target id outside [0, {V}): "
+                         f"min {int(targets.min())}, max {int(targets.max())}.")
+    targets = targets.to(torch.int64).contiguous()
+    if not invariant_kernels_available(logits.device): return _reference_selective_log_softmax(logits, targets, temperature)
+    if logits.stride(1) != 1: logits = logits.contiguous()      # the kernels step along a row by one element
+    return _SelectiveLogSoftmax.apply(logits, targets, float(temperature))
 
 # %% ../nbs/00a_kernels.ipynb #ba45005b
 def causal_key_mask(key_valid: torch.Tensor, q_columns: torch.Tensor) -> torch.Tensor:

@@ -866,3 +866,78 @@ def test_tiny_qwen2_gradients_with_backward_kernels_on_and_off(monkeypatch):
     assert calls == [] and grads[True].keys() == grads[False].keys() and grads[True]
     worst = max((_norm_relative(grads[True][n], grads[False][n]), n) for n in grads[True])
     assert worst[0] <= BACKWARD_KERNELS_MODEL_GRAD_REL, worst
+
+
+# ---- jetrl.kernels.selective_log_softmax: the head's log-probs in one pass each way, at a trainer chunk ----
+# One chunk of the trainer's head (LOGPROB_CHUNK_TOKENS = 4096 positions) by Qwen2's 151,936-token vocabulary, bf16.
+# Forward: both sides compute in fp32 from exactly upcast logits, apart by the order of the sum: 1e-4 absolute (the
+# CPU tests see ~2e-6 at V = 8,229; the longer rows here sum more terms). Gradient: within one bf16 rounding flip plus
+# 1e-5 of the row's largest |gradient|, as on the CPU. SELECTIVE_MIN_SPEEDUP: NOT YET MEASURED ON A GPU (written
+# before any H200 run): torch's ops move ~20 GB of fp32 (tokens, vocab) tensors per chunk forward + backward, the
+# kernels ~3.7 GB of bf16, so 2x leaves room for the kernels' arithmetic (an IEEE division per logit at T != 1).
+SELECTIVE_SHAPE = (4096, 151936)
+SELECTIVE_LOGPROB_ABS = 1e-4
+SELECTIVE_MIN_SPEEDUP = 2.0
+
+
+def _selective_inputs(seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, V = SELECTIVE_SHAPE
+    logits = (torch.randn(n, V, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, V, (n,), device="cuda", generator=g)
+    grad = torch.randn(n, device="cuda", generator=g)
+    return logits, targets, grad
+
+
+@cuda
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_selective_log_softmax_matches_torch_at_a_trainer_chunk(T):
+    from jetrl.kernels import _reference_selective_log_softmax, selective_log_softmax
+    logits, targets, grad = _selective_inputs()
+    targets[:64] = logits[:64].float().argmax(-1)                 # rows whose target is the likeliest token
+    leaf = logits.clone().requires_grad_()
+    logp = selective_log_softmax(leaf, targets, T)
+    logp.backward(grad)
+    oracle_leaf = logits.clone().requires_grad_()
+    want = _reference_selective_log_softmax(oracle_leaf, targets, T)
+    want.backward(grad)
+    assert (logp - want).abs().max().item() <= SELECTIVE_LOGPROB_ABS
+    got, ref = leaf.grad.double(), oracle_leaf.grad.double()
+    assert leaf.grad.dtype == torch.bfloat16
+    bound = 2**-7 * ref.abs() + 1e-5 * ref.abs().amax(1, keepdim=True)
+    assert ((got - ref).abs() <= bound).all(), ((got - ref).abs() - bound).max().item()
+
+
+@cuda
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_selective_log_softmax_batch_invariant_on_gpu(T):
+    "A row's log-prob and gradient: the same bits alone, in 7 rows, and among 4096."
+    from jetrl.kernels import same_bits, selective_log_softmax
+    logits, targets, grad = _selective_inputs(1)
+    def run(rows):
+        leaf = logits[rows].clone().requires_grad_()
+        logp = selective_log_softmax(leaf, targets[rows], T)
+        logp.backward(grad[rows])
+        return logp, leaf.grad
+    full_logp, full_grad = run(slice(0, 4096))
+    for rows in (slice(5, 6), slice(1000, 1007)):
+        logp, d = run(rows)
+        assert same_bits(logp, full_logp[rows]) and same_bits(d, full_grad[rows]), rows
+
+
+@cuda
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_selective_log_softmax_faster_than_torch_ops(T, capsys):
+    "Forward + backward of one chunk against the trainer's torch ops (`temperature_log_softmax(...).gather`)."
+    from jetrl.kernels import graph_time_ms, selective_log_softmax
+    from jetrl.policy import temperature_log_softmax
+    logits, targets, grad = _selective_inputs()
+    logits.requires_grad_()
+    fused = lambda: torch.autograd.grad(selective_log_softmax(logits, targets, T), logits, grad)
+    torch_ops = lambda: torch.autograd.grad(
+        temperature_log_softmax(logits, T).gather(-1, targets[:, None]).squeeze(-1), logits, grad)
+    kernel, torch_ms = graph_time_ms(fused, rounds=5), graph_time_ms(torch_ops, rounds=5)
+    with capsys.disabled():
+        print(f"\nselective log-softmax {SELECTIVE_SHAPE} bf16, T = {T}, forward + backward: kernels "
+              f"{kernel:.3f} ms, torch's ops {torch_ms:.3f} ms ({torch_ms / kernel:.2f}x)")
+    assert torch_ms >= SELECTIVE_MIN_SPEEDUP * kernel, (kernel, torch_ms)

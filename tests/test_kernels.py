@@ -215,3 +215,129 @@ def test_tiny_qwen2_gradients_same_with_backward_kernels_on_and_off(monkeypatch)
     assert calls == [] and on.keys() == off.keys()
     for name in on:
         assert relative(on[name], off[name]) < 1e-5, name
+
+
+# ---- the head's log-probs: selective_log_softmax (forward and backward kernels) against the torch formula ----
+# Forward: both sides upcast the logits exactly and compute in fp32; only the order of the sum (and exp/log's last
+# bits) differ: within 1e-5 absolute of log-probs of magnitude ~10 (observed ~1e-6). Gradient: fp32 logits, within
+# SELECTIVE_GRAD_REL of each element plus SELECTIVE_GRAD_ABS of the row's largest |gradient| (exp's and the order's
+# fp32 differences; the target's element g * (1 - p) cancels where p is near 1); bf16 logits: one bf16 rounding flip
+# at most (DX_ULPS), as for RMSNorm's dx.
+from jetrl.kernels import (VOCAB_BLOCK, _reference_selective_log_softmax, _selective_log_softmax_op, same_bits,
+                           selective_log_softmax)
+import jetrl.kernels
+
+LOGPROB_ABS = 1e-5
+SELECTIVE_GRAD_REL, SELECTIVE_GRAD_ABS = 1e-5, 1e-6
+SELECTIVE_V = 2 * VOCAB_BLOCK + 37          # three blocks, the last one partial
+
+
+def selective_inputs(n, V=SELECTIVE_V, dtype=torch.bfloat16, seed=0, row_stride_pad=0):
+    "logits (n, V) spread like a head's (std 4), optionally a view with a longer row stride, and targets (n,) int64."
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, V + row_stride_pad, generator=g) * 4).to(dtype)[:, :V]
+    targets = torch.randint(0, V, (n,), generator=g)
+    return logits.to(DEVICE), targets.to(DEVICE)
+
+
+def oracle_grad(logits, targets, T, grad):
+    leaf = logits.detach().clone().requires_grad_()
+    (d,) = torch.autograd.grad(_reference_selective_log_softmax(leaf, targets, T), leaf, grad)
+    return d
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_selective_log_softmax_forward_matches_torch(dtype, T):
+    logits, targets = selective_inputs(5, dtype=dtype, row_stride_pad=11)        # rows 11 elements apart beyond V
+    assert not logits.is_contiguous()
+    logp = selective_log_softmax(logits, targets, T)
+    want = _reference_selective_log_softmax(logits, targets, T)
+    assert logp.dtype == torch.float32 and logp.shape == (5,)
+    assert (logp - want).abs().max().item() <= LOGPROB_ABS, (logp - want).abs().max().item()
+    _, lse = _selective_log_softmax_op(logits, targets, T)
+    assert torch.allclose(lse, torch.logsumexp(logits.float() / T, -1), atol=LOGPROB_ABS)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_selective_log_softmax_is_batch_invariant(T):
+    "A row's log-prob and gradient: the same bits alone (n = 1) as among five rows."
+    logits, targets = selective_inputs(5)
+    grad = torch.randn(5, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    many = logits.clone().requires_grad_()
+    logp = selective_log_softmax(many, targets, T)
+    logp.backward(grad)
+    for i in (0, 3):
+        one = logits[i:i + 1].clone().requires_grad_()
+        logp_one = selective_log_softmax(one, targets[i:i + 1], T)
+        logp_one.backward(grad[i:i + 1])
+        assert same_bits(logp_one, logp[i:i + 1]) and same_bits(one.grad, many.grad[i:i + 1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_selective_log_softmax_gradient_matches_autograd(dtype, T, round_to_nearest_bf16):
+    logits, targets = selective_inputs(5, dtype=dtype)
+    targets[1] = int(logits[1].float().argmax())          # a row whose target is its likeliest token
+    grad = torch.randn(5, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    leaf = logits.clone().requires_grad_()
+    (selective_log_softmax(leaf, targets, T) * grad).sum().backward()     # an expanded (stride 0) gradient arrives
+    want = oracle_grad(logits, targets, T, grad)
+    assert leaf.grad.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert_within_ulps(leaf.grad, want)
+    else:
+        bound = SELECTIVE_GRAD_REL * want.abs() + SELECTIVE_GRAD_ABS * want.abs().amax(1, keepdim=True)
+        assert ((leaf.grad - want).abs() <= bound).all(), ((leaf.grad - want).abs() - bound).max().item()
+
+
+@needs_kernels
+def test_selective_log_softmax_kernel_gives_nan_for_a_target_outside_the_vocabulary():
+    "The GPU path does not check target ids (no wait for the GPU): the kernel reads nothing stray and returns NaN."
+    logits, targets = selective_inputs(3, V=300)
+    targets[1] = 300
+    targets[2] = -1
+    logp, _ = _selective_log_softmax_op(logits, targets, 1.0)
+    assert torch.isnan(logp[1:]).all() and not torch.isnan(logp[0])
+
+
+@needs_kernels
+def test_selective_log_softmax_of_no_rows():
+    logits = torch.zeros(0, 300, device=DEVICE, requires_grad=True)
+    logp = selective_log_softmax(logits, torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    logp.sum().backward()
+    assert logp.shape == (0,) and logits.grad.shape == (0, 300)
+
+
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_selective_log_softmax_falls_back_to_the_torch_formula(T, monkeypatch):
+    "Where the kernels do not run: the torch formula itself, the same bits and gradients; int32 targets too."
+    monkeypatch.setattr(jetrl.kernels, "invariant_kernels_available", lambda device: False)
+    logits, targets = selective_inputs(4, V=300)
+    leaf, oracle_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    logp = selective_log_softmax(leaf, targets.int(), T)
+    want = _reference_selective_log_softmax(oracle_leaf, targets, T)
+    assert same_bits(logp, want)
+    logp.sum().backward(); want.sum().backward()
+    assert same_bits(leaf.grad, oracle_leaf.grad)
+
+
+def test_selective_log_softmax_checks_its_inputs():
+    logits, targets = selective_inputs(4, V=300, dtype=torch.float32)
+    for bad, match in [(lambda: selective_log_softmax(logits[0], targets[:1]), r"logits \(n, V\)"),
+                       (lambda: selective_log_softmax(logits.double(), targets), r"logits \(n, V\)"),
+                       (lambda: selective_log_softmax(logits, targets[:3]), r"targets \(n,\)"),
+                       (lambda: selective_log_softmax(logits, targets[:, None]), r"targets \(n,\)"),
+                       (lambda: selective_log_softmax(logits, targets.float()), "integer ids"),
+                       (lambda: selective_log_softmax(logits, targets, 0.0), "temperature > 0"),
+                       (lambda: selective_log_softmax(logits, targets, -1.0), "temperature > 0"),
+                       (lambda: selective_log_softmax(logits, targets, float("inf")), "temperature > 0"),
+                       (lambda: selective_log_softmax(logits[:, :0], targets), "at least one column")]:
+        with pytest.raises(ValueError, match=match): bad()
+    if DEVICE == "cpu":                                       # checked where it costs no wait for a GPU
+        for t in (300, -1):
+            bad_targets = targets.clone(); bad_targets[2] = t
+            with pytest.raises(ValueError, match=r"outside \[0, 300\)"): selective_log_softmax(logits, bad_targets)
