@@ -13,9 +13,11 @@ Per linear shape (M tokens, K inputs, N outputs), blockwise recipe, bf16 activat
 Each pass is timed twice: `_ms` around one eager call (CUDA events; at small shapes this is the CPU's launch
 overhead: Python, the custom op, the FP8Tensor), and `_graph_ms` as the GPU's time alone (20 calls captured in one CUDA
 graph, replayed; repeated calls read the same input, so one that fits the H200's 50 MB L2, as dy at N=512 does,
-can show more than HBM's bandwidth). --sweep also times both kernels at every launch of `jetrl.grad_kernels.LAUNCH_CANDIDATES` (form:
-one-pass tile or two-pass chunks, warps, register cap) and checks each one's bytes against the old passes, to choose
-DUAL_LAUNCH / REQUANTIZE_LAUNCH; it prints one compact table per shape.
+can show more than HBM's bandwidth). --sweep also times the dual quantizer at every launch of
+`jetrl.grad_kernels.LAUNCH_CANDIDATES` (form: one-pass tile or two-pass chunks, warps, register cap) and the requantizer
+at every launch of `REQUANTIZE_CANDIDATES` (those, and form strided: ROWS columns of x by 128 tokens read strided,
+rows of x.T stored contiguous), checks each one's bytes against the old passes, to choose DUAL_LAUNCH /
+REQUANTIZE_LAUNCH; it prints two compact tables per shape.
 """
 import argparse, json, sys
 import torch
@@ -112,50 +114,57 @@ def launch_name(launch: dict) -> str:
 
 
 def sweep(M: int, K: int, N: int) -> list[dict]:
-    """Both kernels at every launch of LAUNCH_CANDIDATES: eager and graph ms, GB/s of the graph time, and whether the
-    bytes equal the old passes'. The tables are restored afterwards."""
+    """The dual quantizer at every launch of LAUNCH_CANDIDATES, the requantizer at every launch of REQUANTIZE_CANDIDATES:
+    one row per (kernel, launch) with eager and graph ms, GB/s of the graph time, and whether the bytes equal the old
+    passes'. The tables are restored afterwards."""
     torch.manual_seed(0)
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     x_fp8 = quantize_1x128(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
     want_dgrad, want_wgrad = quantize_1x128(dy), quantize_1x128(dy.t()).t()
     want_x = quantize_1x128(x_fp8.dequantize(torch.bfloat16).t()).t()
-    dual_bytes = M * N * 4 + 4 * M * -(-N // 128) + 4 * N * -(-M // 128)
-    requantize_bytes = M * K * 2 + 4 * M * -(-K // 128) + 4 * K * -(-M // 128)
-    tables = (grad_kernels.DUAL_LAUNCH, grad_kernels.REQUANTIZE_LAUNCH)
-    defaults, rows = [dict(t) for t in tables], []
-    try:
-        for launch in grad_kernels.LAUNCH_CANDIDATES:
-            for t in tables: t.clear(); t.update(launch)
-            dual, requantize = lambda: quantize_dual_1x128(dy), lambda: requantize_for_wgrad(x_fp8, torch.bfloat16)
-            dgrad, wgrad = dual()
-            row = dict(launch=launch_name(launch), dual_ms=median_ms(dual), dual_graph_ms=graph_ms(dual),
-                       requantize_ms=median_ms(requantize), requantize_graph_ms=graph_ms(requantize),
-                       bytes_equal=same_bytes(dgrad, want_dgrad) and same_bytes(wgrad, want_wgrad)
-                       and same_bytes(requantize(), want_x))
-            row.update(dual_graph_gbps=dual_bytes / row["dual_graph_ms"] / 1e6,
-                       requantize_graph_gbps=requantize_bytes / row["requantize_graph_ms"] / 1e6)
-            rows.append(row)
-    finally:
-        for t, default in zip(tables, defaults): t.clear(); t.update(default)
+    dual, requantize = lambda: quantize_dual_1x128(dy), lambda: requantize_for_wgrad(x_fp8, torch.bfloat16)
+    kernels = {   # kernel: (its launch table, the launches to time, the call, its bytes checked, least bytes moved)
+        "dual": (grad_kernels.DUAL_LAUNCH, grad_kernels.LAUNCH_CANDIDATES, dual,
+                 lambda: all(map(same_bytes, dual(), (want_dgrad, want_wgrad))),
+                 M * N * 4 + 4 * M * -(-N // 128) + 4 * N * -(-M // 128)),
+        "requantize": (grad_kernels.REQUANTIZE_LAUNCH, grad_kernels.REQUANTIZE_CANDIDATES, requantize,
+                       lambda: same_bytes(requantize(), want_x), M * K * 2 + 4 * M * -(-K // 128) + 4 * K * -(-M // 128)),
+    }
+    rows = []
+    for kernel, (table, candidates, fn, check, nbytes) in kernels.items():
+        default = dict(table)
+        try:
+            for launch in candidates:
+                table.clear(); table.update(launch)
+                row = dict(kernel=kernel, launch=launch_name(launch), default=launch == default)
+                try:
+                    row.update(bytes_equal=check(), ms=median_ms(fn), graph_ms=graph_ms(fn))
+                except Exception as e:          # e.g. a launch that does not compile: reported, the sweep goes on
+                    row.update(bytes_equal=None, ms=float("nan"), graph_ms=float("nan"),
+                               error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                row["graph_gbps"] = nbytes / row["graph_ms"] / 1e6
+                rows.append(row)
+        finally:
+            table.clear(); table.update(default)
     return rows
 
 
 def print_sweep(rows: list[dict]):
-    print(f"  {'launch (LAUNCH_CANDIDATES)':34} {'dual ms':>8} {'graph':>7} {'GB/s':>6}   {'requant ms':>10} {'graph':>7} {'GB/s':>6}  bytes")
-    defaults = launch_name(grad_kernels.DUAL_LAUNCH), launch_name(grad_kernels.REQUANTIZE_LAUNCH)
-    for r in rows:
-        mark = ("D" if r["launch"] == defaults[0] else " ") + ("R" if r["launch"] == defaults[1] else " ")
-        print(f"{mark}{r['launch']:34} {r['dual_ms']:8.3f} {r['dual_graph_ms']:7.3f} {r['dual_graph_gbps']:6.0f}   "
-              f"{r['requantize_ms']:10.3f} {r['requantize_graph_ms']:7.3f} {r['requantize_graph_gbps']:6.0f}  "
-              f"{'equal' if r['bytes_equal'] else 'DIFFER'}")
-    print("  (D, R: today's DUAL_LAUNCH, REQUANTIZE_LAUNCH; GB/s of the graph time)")
+    for kernel, candidates in (("dual", "LAUNCH_CANDIDATES"), ("requantize", "REQUANTIZE_CANDIDATES")):
+        print(f"  {kernel + ' (' + candidates + ')':40} {'ms':>8} {'graph ms':>9} {'GB/s':>6}  bytes")
+        for r in (r for r in rows if r["kernel"] == kernel):
+            verdict = "FAILED " + r["error"] if "error" in r else "equal" if r["bytes_equal"] else "DIFFER"
+            print(f"{'*' if r['default'] else ' '} {r['launch']:40} {r['ms']:8.3f} {r['graph_ms']:9.3f} "
+                  f"{r['graph_gbps']:6.0f}  {verdict}")
+    print("  (*: today's DUAL_LAUNCH / REQUANTIZE_LAUNCH; GB/s of the graph time)")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=10240, help="M: rows of a micro-batch (16 x 640 by default)")
     p.add_argument("--shapes", default=QWEN2_7B, help="comma-separated KxN of the linears")
-    p.add_argument("--sweep", action="store_true", help="also time every launch of LAUNCH_CANDIDATES (bytes checked)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time every launch of LAUNCH_CANDIDATES (dual) and REQUANTIZE_CANDIDATES (bytes checked)")
     p.add_argument("--out", help="append one JSON line per shape to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
@@ -175,7 +184,7 @@ def main(argv=None):
         if args.sweep:
             row["sweep"] = sweep(M, K, N)
             print_sweep(row["sweep"])
-        ok &= row["bytes_equal"] and row["grads_equal"] and all(r["bytes_equal"] for r in row.get("sweep", []))
+        ok &= row["bytes_equal"] and row["grads_equal"] and all(r["bytes_equal"] is not False for r in row.get("sweep", []))
         row.update(command="python " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
         if args.out:
             with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from .linear import assume_synced_fp8_weights
 from .kernels import attend, backward_kernels_active, next_power_of_2, silu_mul_backward
-from .policy import Policy, temperature_log_softmax
+import jetrl.policy
+from .policy import Policy, temperature_log_softmax, target_log_probs
 
 # %% ../nbs/05_rollout.ipynb #5a7cd8f1
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = (logp.exp() / race).argmax(-1)
     else:
         tokens = logp.argmax(-1)
+    if not truncated and jetrl.policy.fused_head_log_probs:      # the trainer's kernel, not the sampling's softmax
+        return tokens, target_log_probs(logits, tokens, params.temperature)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 _MASK32 = 0xFFFFFFFF

@@ -341,3 +341,24 @@ def test_selective_log_softmax_checks_its_inputs():
         for t in (300, -1):
             bad_targets = targets.clone(); bad_targets[2] = t
             with pytest.raises(ValueError, match=r"outside \[0, 300\)"): selective_log_softmax(logits, bad_targets)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["formula", "fused-head"])
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_sampler_and_trainer_share_the_head_formula(fused, T, monkeypatch):
+    """With `jetrl.policy.fused_head_log_probs` on, the sampler's log-prob of the token it picks and the trainer's
+    log-prob of that token both come from selective_log_softmax (the kernels where Triton runs, here under the
+    interpreter; the torch formula elsewhere): the same bits. Off, both from the torch formula."""
+    import torch.nn as nn
+    import jetrl.policy
+    from jetrl.policy import _head_log_probs
+    from jetrl.rollout import sample_next, SamplingParams
+    monkeypatch.setattr(jetrl.policy, "fused_head_log_probs", fused)
+    logits, _ = selective_inputs(5)
+    logits = logits.to(DEVICE)
+    tokens, sampled = sample_next(logits, SamplingParams(temperature=T, seed=0), torch.Generator(DEVICE).manual_seed(0))
+    trainer, entropy = _head_log_probs(nn.Identity(), logits, tokens, T, True)
+    assert torch.equal(sampled, trainer)
+    assert entropy is not None and torch.isfinite(entropy).all()
+    torch.testing.assert_close(trainer.cpu(), _reference_selective_log_softmax(logits.cpu(), tokens.cpu(), T),
+                               rtol=0, atol=1e-5)
