@@ -14,12 +14,6 @@ import argparse, json, sys
 import torch
 
 from jetrl.kernels import _reference_selective_log_softmax, graph_time_ms, selective_log_softmax
-from jetrl.policy import temperature_log_softmax
-
-
-def torch_ops(logits, targets, T):
-    "The trainer's formula, as `_head_log_probs` computes it."
-    return temperature_log_softmax(logits, T).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def peak_gib(fn) -> float:
@@ -37,7 +31,7 @@ def measure(tokens: int, vocab: int, T: float, seed: int = 0) -> dict:
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
     grad = torch.randn(tokens, device="cuda", generator=g)
     row = dict(tokens=tokens, vocab=vocab, temperature=T, dtype="bfloat16")
-    for name, f in (("fused", lambda: selective_log_softmax(logits, targets, T)), ("torch", lambda: torch_ops(logits, targets, T))):
+    for name, f in (("fused", lambda: selective_log_softmax(logits, targets, T)), ("torch", lambda: _reference_selective_log_softmax(logits, targets, T))):
         def forward():                       # as the checkpointed trainer's first forward runs: without autograd
             with torch.no_grad(): f()
         both = lambda: torch.autograd.grad(f(), logits, grad)

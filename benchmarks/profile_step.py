@@ -22,23 +22,24 @@ def top_kernels(prof, n: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
 
 
-def kernel_table(prof, n: int) -> str:
-    "The GPU kernels alone (no host ops, whose CUDA totals count their kernels again): total ms, calls, us per call."
+def kernel_totals(prof) -> dict:
+    "kernel name -> (total GPU us, calls): the GPU kernels alone (not host ops, whose CUDA totals count their kernels again)"
     totals = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             t, c = totals.get(e.name, (0.0, 0))
             totals[e.name] = (t + e.time_range.elapsed_us(), c + 1)
+    return totals
+
+
+def kernel_table(prof, n: int) -> str:
+    "The top n GPU kernels: total ms, share, calls, us per call."
+    totals = kernel_totals(prof)
     whole = sum(t for t, _ in totals.values())
     lines = [f"  {'ms':>8} {'share':>6} {'calls':>6} {'us/call':>8}  kernel"]
     for name, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]:
         lines.append(f"  {t / 1e3:8.2f} {t / whole:6.1%} {c:6d} {t / c:8.1f}  {name[:110]}")
     return "\n".join(lines)
-
-
-def kernel_totals(prof) -> dict:
-    "kernel name -> (total GPU us, calls)"
-    return {e.key: (e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def graphed_decode_kernels(engine, prompts, steps: int, n: int) -> str:

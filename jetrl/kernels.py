@@ -14,8 +14,8 @@ __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITO
            'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
            'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits',
            'cublas_where_same_bits', 'rms_norm_backward', 'silu_mul_backward', 'backward_kernels',
-           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear',
-           'selective_log_softmax', 'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'temperature_scaled',
+           'temperature_log_softmax', 'selective_log_softmax', 'causal_key_mask', 'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -812,10 +812,20 @@ def _selective_log_softmax_backward_op(logits: torch.Tensor, targets: torch.Tens
 def _(logits, targets, lse, grad_logp, temperature): return torch.empty_like(logits)
 
 # %% ../nbs/00a_kernels.ipynb #eb4e41e5
-def _reference_selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    "The torch formula (the trainer's `temperature_log_softmax(...).gather`): the fallback, and the tests' oracle."
+def temperature_scaled(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    "`logits / temperature` in fp32; at temperature 1 no division (x / 1 is x exactly: the same bits, one pass fewer)."
     scaled = logits.float()
-    return torch.log_softmax(scaled if temperature == 1 else scaled / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    return scaled if temperature == 1 else scaled / temperature
+
+def temperature_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log-softmax of `logits / temperature` over the last dimension: the one formula of the trainer's log-probs
+    (`jetrl.policy`), the sampler's (`jetrl.rollout.sample_next`) and the fused kernels' oracle below, so that a row
+    gets the same bits wherever it is computed."""
+    return torch.log_softmax(temperature_scaled(logits, temperature), dim=-1)
+
+def _reference_selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    "`temperature_log_softmax` at each row's target: the fallback of `selective_log_softmax`, and the tests' oracle."
+    return temperature_log_softmax(logits, temperature).gather(-1, targets[:, None]).squeeze(-1)
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
     "Forward and backward by the two kernels; saves the logits (as they are), the targets and each row's lse."

@@ -7,10 +7,10 @@ Docs: https://jetrl.github.io/jetrl/policy.html.md"""
 # %% auto #0
 __all__ = ['HP_DTYPES', 'STRATEGIES', 'LOGPROB_CHUNK_TOKENS', 'fused_head_log_probs', 'GRAPH_WARMUP_CALLS', 'GRAPH_WIDTH_BUCKET',
            'GRAPH_MAX_CAPTURES', 'CHECKPOINT_VERSION', 'TOKENIZER_SPLIT_PARTS', 'SUPPORTED_FAMILIES', 'PrecisionSpec',
-           'get_strategy', 'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'temperature_log_softmax',
-           'target_log_probs', 'token_log_probs', 'train_log_probs', 'rollout_log_probs', 'GraphedLogProbs',
-           'recover_checkpoint', 'save_checkpoint', 'CheckpointError', 'read_checkpoint_meta', 'load_checkpoint',
-           'tokenizer_file_mismatch', 'load_model_and_tokenizer', 'load_policy']
+           'get_strategy', 'default_hp_dtype', 'build_rollout_copy', 'SyncReport', 'Policy', 'target_log_probs',
+           'token_log_probs', 'train_log_probs', 'rollout_log_probs', 'GraphedLogProbs', 'recover_checkpoint',
+           'save_checkpoint', 'CheckpointError', 'read_checkpoint_meta', 'load_checkpoint', 'tokenizer_file_mismatch',
+           'load_model_and_tokenizer', 'load_policy']
 
 # %% ../nbs/04_policy.ipynb #e77fa0db
 import contextlib, copy, json, os, shutil, time, warnings
@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 from .linear import (FP8Recipe, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8, fp8_modules,
                           quantize_weight)
-from .kernels import use_invariant_kernels, selective_log_softmax
+from .kernels import (use_invariant_kernels, selective_log_softmax, temperature_log_softmax,
+                           _reference_selective_log_softmax)
 
 # %% ../nbs/04_policy.ipynb #f80ff475
 HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -155,14 +156,6 @@ class Policy:
 # %% ../nbs/04_policy.ipynb #7099f4ed
 LOGPROB_CHUNK_TOKENS = 4096   # positions whose fp32 log-softmax over the vocabulary is held at once
 
-def temperature_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """fp32 log-softmax of `logits / temperature` over the last dimension: the one formula the trainer's log-probs
-    and the rollout's sampling (`sample_next`) share, so that a row gets the same bits on both sides. At temperature 1
-    the division is skipped: x / 1 is x exactly, so the bits are the same, and a pass over (tokens, vocab) fp32 values
-    (and its backward) is saved."""
-    scaled = logits.float()
-    return torch.log_softmax(scaled if temperature == 1 else scaled / temperature, dim=-1)
-
 # True: the log-prob of each target by jetrl.kernels.selective_log_softmax (two Triton kernels that read the logits once
 # forward and once backward, no fp32 (tokens, vocab) copies), in the trainer and in the sampler alike, so both sides
 # keep one formula. Off by default: its speed on a GPU is measured first (benchmarks/head_logprobs.py).
@@ -171,8 +164,7 @@ fused_head_log_probs = False
 def target_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p of each row's target under `temperature_log_softmax(logits, temperature)`: logits (n, vocab), targets
     (n,) -> (n,) fp32. The trainer's log-probs and the sampler's (`sample_next`) both come from here."""
-    if fused_head_log_probs: return selective_log_softmax(logits, targets, temperature)
-    return temperature_log_softmax(logits, temperature).gather(-1, targets[:, None]).squeeze(-1)
+    return (selective_log_softmax if fused_head_log_probs else _reference_selective_log_softmax)(logits, targets, temperature)
 
 def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from .linear import assume_synced_fp8_weights
-from .kernels import attend, backward_kernels_active, next_power_of_2, silu_mul_backward
+from .kernels import attend, backward_kernels_active, next_power_of_2, silu_mul_backward, temperature_scaled
 import jetrl.policy
-from .policy import Policy, temperature_log_softmax, target_log_probs
+from .policy import Policy, target_log_probs
 
 # %% ../nbs/05_rollout.ipynb #5a7cd8f1
 @dataclass(frozen=True)
@@ -78,8 +78,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32).
     With `uniforms` ((B,) in [0, 1)), row i takes the inverse CDF of its distribution at uniforms[i]: its draw
     depends on its own logits and uniform only, not on the other rows of the batch."""
-    truncated = params.top_k > 0 or params.top_p < 1
-    scaled = logits.float() / params.temperature if truncated else None
+    scaled = temperature_scaled(logits, params.temperature)
     if params.top_k > 0:
         kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -88,8 +87,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p      # keep the first token past top_p
         scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    # the trainer's formula (temperature_log_softmax) wherever nothing is masked: the same bits on both sides
-    logp = torch.log_softmax(scaled, dim=-1) if truncated else temperature_log_softmax(logits, params.temperature)
+    logp = torch.log_softmax(scaled, dim=-1)            # temperature_log_softmax (the trainer's), where nothing is masked
     if params.do_sample and uniforms is not None:
         cdf = logp.exp().cumsum(-1)                                        # (B, V); a masked token adds 0: never picked
         tokens = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True).squeeze(-1)
@@ -102,7 +100,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = (logp.exp() / race).argmax(-1)
     else:
         tokens = logp.argmax(-1)
-    if not truncated and jetrl.policy.fused_head_log_probs:      # the trainer's kernel, not the sampling's softmax
+    if jetrl.policy.fused_head_log_probs and params.top_k <= 0 and params.top_p >= 1:   # the trainer's kernel
         return tokens, target_log_probs(logits, tokens, params.temperature)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
