@@ -99,9 +99,9 @@ def main(argv=None):
     p.add_argument("--cublas-decode", action="store_true",
                    help="decode GEMMs of 65-256 rows on cuBLAS too, where it gives the kernel's bits in less GPU time "
                         "(jetrl.kernels.cublas_at_decode; off by default)")
-    p.add_argument("--fused-head", action="store_true",
+    p.add_argument("--fused-head", action=argparse.BooleanOptionalAction, default=None,
                    help="the head's log-probs, trainer and sampler alike, by jetrl.kernels.selective_log_softmax "
-                        "(jetrl.policy.fused_head_log_probs; off by default)")
+                        "(jetrl.policy.fused_head_log_probs; default: on a GPU; --no-fused-head for torch's formula)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
@@ -158,7 +158,7 @@ def main(argv=None):
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
-                        fused_head=args.fused_head,
+                        fused_head=jetrl.policy.fused_head_active(device),
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

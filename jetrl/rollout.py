@@ -100,7 +100,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         tokens = (logp.exp() / race).argmax(-1)
     else:
         tokens = logp.argmax(-1)
-    if jetrl.policy.fused_head_log_probs and params.top_k <= 0 and params.top_p >= 1:   # the trainer's kernel
+    if jetrl.policy.fused_head_active(logits.device) and params.top_k <= 0 and params.top_p >= 1:   # the trainer's kernel
         return tokens, target_log_probs(logits, tokens, params.temperature)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 

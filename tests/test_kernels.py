@@ -360,5 +360,16 @@ def test_sampler_and_trainer_share_the_head_formula(fused, T, monkeypatch):
     trainer, entropy = _head_log_probs(nn.Identity(), logits, tokens, T, True)
     assert torch.equal(sampled, trainer)
     assert entropy is not None and torch.isfinite(entropy).all()
+    assert jetrl.policy.fused_head_active(logits.device) is fused
     torch.testing.assert_close(trainer.cpu(), _reference_selective_log_softmax(logits.cpu(), tokens.cpu(), T),
                                rtol=0, atol=1e-5)
+
+
+def test_fused_head_is_on_by_default_on_a_gpu_only():
+    """`fused_head_log_probs = None` (the default): the head's target log-probs run selective_log_softmax's kernels on a
+    GPU (8x torch's ops on an H200, benchmarks/head_logprobs.py) and torch's formula on the CPU, where the kernels
+    would run only under the slow interpreter."""
+    import jetrl.policy
+    assert jetrl.policy.fused_head_log_probs is None
+    assert jetrl.policy.fused_head_active("cpu") is False
+    if torch.cuda.is_available(): assert jetrl.policy.fused_head_active("cuda") is True
