@@ -61,7 +61,8 @@ def gpu_graph_on_cpu():
         return sdpa(q, k, v, attn_mask=kernels.causal_key_mask(key_valid, q_columns), scale=scale,
                     enable_gqa=k.shape[1] != q.shape[1])
     patches = dict(invariant_kernels_available=lambda device: True, rms_norm_invariant=kernels._reference_rms_norm,
-                   attention_invariant=attention, matmul_invariant=lambda x2d, w: x2d @ w.t())
+                   attention_invariant=attention, matmul_invariant=lambda x2d, w: x2d @ w.t(),
+                   _silu_mul_op=lambda gate, up, fmt: (torch.nn.functional.silu(gate) * up, None, None))
     saved = {name: getattr(kernels, name) for name in patches}
     for name, fn in patches.items(): setattr(kernels, name, fn)
     try: yield

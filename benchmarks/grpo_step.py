@@ -102,6 +102,9 @@ def main(argv=None):
     p.add_argument("--fused-head", action=argparse.BooleanOptionalAction, default=None,
                    help="the head's log-probs, trainer and sampler alike, by jetrl.kernels.selective_log_softmax "
                         "(jetrl.policy.fused_head_log_probs; default: on a GPU; --no-fused-head for torch's formula)")
+    p.add_argument("--no-producer-quant", action="store_true",
+                   help="FP8 linears quantize their input themselves, not the RMSNorm / SiLU-mul kernels before them "
+                        "(jetrl.linear.quantize_in_producers = False; to compare)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
@@ -114,8 +117,9 @@ def main(argv=None):
     import jetrl.kernels
     jetrl.kernels.cublas_when_same_bits = not args.no_cublas_fprop
     jetrl.kernels.cublas_at_decode = args.cublas_decode
-    import jetrl.policy
+    import jetrl.policy, jetrl.linear
     jetrl.policy.fused_head_log_probs = args.fused_head
+    jetrl.linear.quantize_in_producers = not args.no_producer_quant
     world = None
     if args.distributed:
         from jetrl.distributed import init_world, shard_policy, sync_rollout_weights, rank_block
@@ -158,7 +162,7 @@ def main(argv=None):
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
-                        fused_head=jetrl.policy.fused_head_active(device),
+                        fused_head=jetrl.policy.fused_head_active(device), producer_quant=jetrl.linear.quantize_in_producers,
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

@@ -6,16 +6,17 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT',
-           'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'CUBLAS_MIN_ROWS', 'CUBLAS_DECODE_MIN_ROWS',
-           'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits', 'cublas_at_decode',
-           'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP', 'MAX_NORM_WARPS', 'SILU_BLOCK',
-           'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'invariant_kernels_available',
-           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
-           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'next_power_of_2',
-           'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits',
-           'cublas_where_same_bits', 'rms_norm_backward', 'silu_mul_backward', 'backward_kernels',
-           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'temperature_scaled',
-           'temperature_log_softmax', 'selective_log_softmax', 'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS',
+           'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits',
+           'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP',
+           'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES',
+           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
+           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
+           'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant', 'cublas_may_run',
+           'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits', 'rms_norm_backward',
+           'silu_mul_backward', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant',
+           'InvariantLinear', 'silu_mul', 'silu_mul_quantized', 'temperature_scaled', 'temperature_log_softmax',
+           'selective_log_softmax', 'causal_key_mask', 'attend', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -52,6 +53,16 @@ def invariant_kernels_available(device: "torch.device | str") -> bool:
 def _kernels():
     "Build the Triton kernels once (the first call that needs them)."
     triton, tl = _triton()
+    import triton.language.extra.libdevice          # CUDA's own math functions (expf), as tl.extra.libdevice
+    # the kernels' one quantization formula, a module global: Triton's interpreter looks names up there only
+    global quantize_groups
+
+    @triton.jit
+    def quantize_groups(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+        # quantize_1x128's formula on a (rows, 128) fp32 tile: the FP8 values (fp32, clamped) and each row's scale
+        amax = tl.max(tl.abs(y), axis=1)
+        scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)   # IEEE division, as torch
+        return tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -FP8_MAX), FP8_MAX), scale
 
     @triton.jit
     def quantize_1x128(x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_x_col, stride_q, stride_scale,
@@ -65,9 +76,7 @@ def _kernels():
             rows, cols = rows.to(tl.int64), cols.to(tl.int64)
         ok = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)   # IEEE division, as torch
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+        q, scale = quantize_groups(x, FP8_MAX, TINY)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + rows * stride_scale + group, scale, mask=rows < M)
 
@@ -142,9 +151,11 @@ def _kernels():
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def rms_norm(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.constexpr):
-        # one row per program: fp32 mean of squares, x * rsqrt(var + eps) rounded to x's dtype, times the weight
-        row = tl.program_id(0)
+    def rms_norm(x_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, H, stride_x, stride_y, stride_q, stride_scale, eps,
+                 FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, QUANTIZE: tl.constexpr):
+        # one row per program: fp32 mean of squares, x * rsqrt(var + eps) rounded to x's dtype, times the weight;
+        # with QUANTIZE also y's FP8 copy, the row's BLOCK // G groups of G columns each quantized as quantize_1x128 does
+        row = tl.program_id(0).to(tl.int64)              # 64-bit: row * stride may pass 2^31
         cols = tl.arange(0, BLOCK)
         ok = cols < H
         x_in = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -152,7 +163,38 @@ def _kernels():
         variance = tl.sum(x * x, axis=0) / H
         normed = (x * tl.math.rsqrt(variance + eps)).to(x_in.dtype)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        tl.store(y_ptr + row * stride_y + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+        if QUANTIZE:                                     # columns past H hold 0: no group's amax changes
+            q, scale = quantize_groups(tl.reshape(y.to(tl.float32), (BLOCK // G, G)), FP8_MAX, TINY)
+            tl.store(q_ptr + row * stride_q + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=ok)
+            groups = tl.arange(0, BLOCK // G)
+            tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * G < H)
+
+    @triton.jit
+    def silu_mul(gate_ptr, up_ptr, y_ptr, q_ptr, scale_ptr, M, N, stride_gate, stride_up, stride_y, stride_q,
+                 stride_scale, FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_M: tl.constexpr, G: tl.constexpr,
+                 QUANTIZE: tl.constexpr, WIDE: tl.constexpr, CUDA_EXP: tl.constexpr):
+        # torch's `silu(gate) * up`, rounded where torch rounds: silu = gate / (1 + exp(-gate)) in fp32 (exp to
+        # within CUDA's expf, IEEE division) rounded to gate's dtype, times up in fp32, rounded to y's dtype. One
+        # (BLOCK_M rows x G columns) tile per program; with QUANTIZE also y's FP8 copy, quantize_1x128's groups
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        group = tl.program_id(1)
+        cols = group * G + tl.arange(0, G)
+        if WIDE: rows, cols = rows.to(tl.int64), cols.to(tl.int64)
+        ok = (rows < M)[:, None] & (cols < N)[None, :]
+        gate_in = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0)
+        gate = gate_in.to(tl.float32)
+        up = tl.load(up_ptr + rows[:, None] * stride_up + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        if CUDA_EXP: exp_neg = tl.extra.libdevice.exp(-gate)     # CUDA's expf, as torch's silu kernel calls it
+        else: exp_neg = tl.exp(-gate)                            # Triton's interpreter: numpy's exp (no libdevice)
+        silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(gate_in.dtype).to(tl.float32)
+        y = (silu * up).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=ok)
+        if QUANTIZE:
+            q, scale = quantize_groups(y.to(tl.float32), FP8_MAX, TINY)
+            tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(scale_ptr + rows * stride_scale + group, scale, mask=rows < M)
 
     @triton.jit
     def rms_norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr, M, H, rows_per_program, stride_x, stride_dy, eps,
@@ -251,7 +293,7 @@ def _kernels():
         out = acc / l[:, None]
         tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
 
-    return dict(quantize_1x128=quantize_1x128, fp8_gemm=fp8_gemm, matmul=matmul, rms_norm=rms_norm,
+    return dict(quantize_1x128=quantize_1x128, fp8_gemm=fp8_gemm, matmul=matmul, rms_norm=rms_norm, silu_mul=silu_mul,
                 rms_norm_backward=rms_norm_backward, silu_mul_backward=silu_mul_backward, attention=attention)
 
 # %% ../nbs/00a_kernels.ipynb #7e831433
@@ -412,19 +454,82 @@ def matmul_invariant(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @matmul_invariant.register_fake
 def _(x2d, weight): return x2d.new_empty((x2d.shape[0], weight.shape[0]))
 
-@eager_custom_op("jetrl::rms_norm_invariant", mutates_args=())
-def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    "RMSNorm as transformers computes it (fp32 statistics, rounded to x's dtype, times the weight), one row per program."
+def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str | None):
+    "The rms_norm kernel over x's rows: y (x's shape), and with `fmt` y's 1x128 FP8 bytes and scales (2-D), else None."
     H = x.shape[-1]
     x2d = x.reshape(-1, H).contiguous()
     y = torch.empty(x2d.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    data = scale = None
+    if fmt is not None:
+        data = torch.empty(x2d.shape, device=x.device, dtype=fp8_dtype(fmt))
+        scale = torch.empty(x2d.shape[0], math.ceil(H / KERNEL_BLOCK), device=x.device, dtype=torch.float32)
     if x2d.shape[0]:
-        _kernels()["rms_norm"][(x2d.shape[0],)](x2d, weight, y, H, x2d.stride(0), y.stride(0), eps,
-                                                BLOCK=next_power_of_2(H), num_warps=4)
-    return y.reshape(*x.shape[:-1], H)
+        q, s = (data, scale) if fmt is not None else (y, y)          # unused without QUANTIZE
+        _kernels()["rms_norm"][(x2d.shape[0],)](
+            x2d, weight, y, q, s, H, x2d.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
+            FP8_MAX=fp8_max(fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny,
+            BLOCK=max(next_power_of_2(H), KERNEL_BLOCK if fmt else 1), G=KERNEL_BLOCK, QUANTIZE=fmt is not None, num_warps=4)
+    return y.reshape(*x.shape[:-1], H), data, scale
+
+@eager_custom_op("jetrl::rms_norm_invariant", mutates_args=())
+def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    "RMSNorm as transformers computes it (fp32 statistics, rounded to x's dtype, times the weight), one row per program."
+    return _launch_rms_norm(x, weight, eps, None)[0]
 
 @rms_norm_invariant.register_fake
 def _(x, weight, eps): return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+@eager_custom_op("jetrl::rms_norm_quantized", mutates_args=())
+def _rms_norm_quantized_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_rms_norm(x, weight, eps, fmt)
+
+@_rms_norm_quantized_op.register_fake
+def _(x, weight, eps, fmt):
+    rows, H = x.numel() // x.shape[-1], x.shape[-1]
+    return (x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)),
+            x.new_empty((rows, H), dtype=fp8_dtype(fmt)), x.new_empty((rows, math.ceil(H / KERNEL_BLOCK)), dtype=torch.float32))
+
+def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str = "e4m3") -> tuple[torch.Tensor, FP8Tensor]:
+    """`rms_norm_invariant(x, weight, eps)` and, from the same kernel, its FP8 copy in 1x128 groups: the bytes and scales
+    of `quantize_1x128(y.reshape(-1, H), fmt)`, without reading y again. Returns (y, FP8Tensor (rows, H))."""
+    y, data, scale = _rms_norm_quantized_op(x, weight, eps, fmt)
+    return y, FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
+
+SILU_MUL_ROWS = 16   # rows of one SiLU-mul tile (x 128 columns): quantize_1x128's tile of contiguous rows
+
+def _launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, fmt: str | None):
+    "The silu_mul kernel: y (gate's shape), and with `fmt` y's 1x128 FP8 bytes and scales (2-D), else None."
+    N = gate.shape[-1]
+    gate2d, up2d = gate.reshape(-1, N), up.reshape(-1, N)          # views where the rows are evenly strided
+    if gate2d.stride(-1) != 1: gate2d = gate2d.contiguous()
+    if up2d.stride(-1) != 1: up2d = up2d.contiguous()
+    M = gate2d.shape[0]
+    y = torch.empty((M, N), device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
+    data = scale = None
+    if fmt is not None:
+        data = torch.empty((M, N), device=gate.device, dtype=fp8_dtype(fmt))
+        scale = torch.empty(M, math.ceil(N / KERNEL_BLOCK), device=gate.device, dtype=torch.float32)
+    if M and N:
+        q, s = (data, scale) if fmt is not None else (y, y)
+        _kernels()["silu_mul"][(math.ceil(M / SILU_MUL_ROWS), math.ceil(N / KERNEL_BLOCK))](
+            gate2d, up2d, y, q, s, M, N, gate2d.stride(0), up2d.stride(0), y.stride(0), q.stride(0), s.stride(0),
+            FP8_MAX=fp8_max(fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny, BLOCK_M=SILU_MUL_ROWS, G=KERNEL_BLOCK,
+            QUANTIZE=fmt is not None, WIDE=needs_64bit_offsets(gate2d, up2d, y), CUDA_EXP=not INTERPRETING)
+    return y.reshape(gate.shape), data, scale
+
+@eager_custom_op("jetrl::silu_mul", mutates_args=())
+def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor, fmt: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, data, scale = _launch_silu_mul(gate, up, fmt)
+    if data is None: data, scale = y.new_empty(0, dtype=torch.float8_e4m3fn), y.new_empty(0, dtype=torch.float32)
+    return y, data, scale
+
+@_silu_mul_op.register_fake
+def _(gate, up, fmt):
+    N = gate.shape[-1]; rows = gate.numel() // max(N, 1)
+    y = gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+    if fmt is None: return y, y.new_empty(0, dtype=torch.float8_e4m3fn), y.new_empty(0, dtype=torch.float32)
+    return y, y.new_empty((rows, N), dtype=fp8_dtype(fmt)), y.new_empty((rows, math.ceil(N / KERNEL_BLOCK)), dtype=torch.float32)
 
 def next_power_of_2(n: int) -> int: "The smallest power of two >= n (1 for n <= 1)."; return 1 << max(n - 1, 0).bit_length()
 
@@ -654,17 +759,21 @@ class _RMSNormFunction(torch.autograd.Function):
     """Forward by the row-invariant kernel; backward by `rms_norm_backward` where `backward_kernels_active` (a GPU),
     else through the plain-torch formula, recomputed."""
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, fmt=None):
+        # with `fmt`: also y's FP8 bytes and scales (`rms_norm_quantized`), outputs without a gradient
         ctx.save_for_backward(x, weight); ctx.eps = eps
-        return rms_norm_invariant(x, weight, eps)
+        if fmt is None: return rms_norm_invariant(x, weight, eps)
+        y, data, scale = _rms_norm_quantized_op(x, weight, eps, fmt)
+        ctx.mark_non_differentiable(data, scale)
+        return y, data, scale
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_):
         x, weight = ctx.saved_tensors
         need_dx, need_dweight = ctx.needs_input_grad[:2]
         backward = rms_norm_backward if backward_kernels_active(x.device) else _rms_norm_backward_autograd
         dx, dweight = backward(x, weight, dy, ctx.eps, need_dx, need_dweight)
-        return dx, dweight, None
+        return dx, dweight, None, None
 
 class InvariantRMSNorm(nn.Module):
     "An RMSNorm (transformers' formula) that runs the row-invariant kernel where it can; same `weight` parameter."
@@ -675,6 +784,13 @@ class InvariantRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if invariant_kernels_available(x.device): return _RMSNormFunction.apply(x, self.weight, self.variance_epsilon)
         return _reference_rms_norm(x, self.weight, self.variance_epsilon)
+
+    def quantized(self, x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, FP8Tensor]:
+        "`forward(x)` and y's 1x128 FP8 copy from the same kernel (`rms_norm_quantized`); where the kernels run only."
+        if not invariant_kernels_available(x.device):
+            raise RuntimeError(f"InvariantRMSNorm.quantized runs jetrl's Triton kernel: not available on {x.device}.")
+        y, data, scale = _RMSNormFunction.apply(x, self.weight, self.variance_epsilon, fmt)
+        return y, FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
 
     def extra_repr(self) -> str: return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, row-invariant"
 
@@ -711,6 +827,53 @@ class InvariantLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: return linear_invariant(x, self.weight, self.bias)
+
+# %% ../nbs/00a_kernels.ipynb #0d3ccd83
+class _SiLUMulFunction(torch.autograd.Function):
+    """silu(gate) * up that keeps only gate and up for backward, where silu(gate) is recomputed: by one Triton kernel
+    where `backward_kernels_active` (a GPU), else by autograd's own ops. Forward by the `silu_mul` kernel where Triton
+    runs (with `fmt`, y's FP8 bytes and scales too: outputs without a gradient), else by torch's two ops."""
+    @staticmethod
+    def forward(ctx, gate, up, fmt=None):
+        ctx.save_for_backward(gate, up)
+        if not invariant_kernels_available(gate.device): return F.silu(gate) * up
+        y, data, scale = _silu_mul_op(gate, up, fmt)
+        if fmt is None: return y
+        ctx.mark_non_differentiable(data, scale)
+        return y, data, scale
+
+    @staticmethod
+    def backward(ctx, d_out, *_):
+        gate, up = ctx.saved_tensors
+        need_d_gate, need_d_up = ctx.needs_input_grad[:2]
+        if backward_kernels_active(gate.device): return (*silu_mul_backward(gate, up, d_out, need_d_gate, need_d_up), None)
+        d_gate = torch.ops.aten.silu_backward(d_out * up, gate) if need_d_gate else None
+        d_up = d_out * F.silu(gate) if need_d_up else None
+        return d_gate, d_up, None
+
+def _check_silu_mul_inputs(gate: torch.Tensor, up: torch.Tensor):
+    if gate.shape != up.shape or gate.device != up.device or not gate.is_floating_point() or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul takes gate and up of one shape, dtype and device: got {tuple(gate.shape)} {gate.dtype} "
+                         f"on {gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}.")
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` with torch's roundings: one kernel where Triton runs, torch's two ops elsewhere. Under grad it
+    keeps gate and up for backward, not silu(gate) (recomputed there)."""
+    _check_silu_mul_inputs(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad): return _SiLUMulFunction.apply(gate, up)
+    if invariant_kernels_available(gate.device): return _silu_mul_op(gate, up, None)[0]
+    return F.silu(gate) * up
+
+def silu_mul_quantized(gate: torch.Tensor, up: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, FP8Tensor]:
+    """`silu_mul(gate, up)` and, from the same kernel, y's FP8 copy in 1x128 groups (the bytes and scales of
+    `quantize_1x128(y.reshape(-1, N), fmt)`): (y, FP8Tensor (rows, N)). Where the kernels run only."""
+    _check_silu_mul_inputs(gate, up)
+    if not invariant_kernels_available(gate.device):
+        raise RuntimeError(f"silu_mul_quantized runs jetrl's Triton kernel: not available on {gate.device}.")
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        y, data, scale = _SiLUMulFunction.apply(gate, up, fmt)
+    else: y, data, scale = _silu_mul_op(gate, up, fmt)
+    return y, FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
 
 # %% ../nbs/00a_kernels.ipynb #7d76b1fa
 VOCAB_BLOCK = 4096          # columns per step of a row's online max and sum: the order of its sum, whatever the rows

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
-from .linear import assume_synced_fp8_weights
-from .kernels import attend, backward_kernels_active, next_power_of_2, silu_mul_backward, temperature_scaled
+from .linear import assume_synced_fp8_weights, producer_quantizer, offer_input_fp8, _shared_input_fp8
+from .kernels import (attend, next_power_of_2, temperature_scaled, InvariantRMSNorm, invariant_kernels_available,
+                           silu_mul, silu_mul_quantized)
 import jetrl.policy
 from .policy import Policy, target_log_probs
 
@@ -228,15 +229,40 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     out = attend(q, k, v, columns, key_valid, attn.scaling, invariant)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
+def _normed(norm: nn.Module, h: torch.Tensor, consumers: list) -> torch.Tensor:
+    """norm(h) for the linears `consumers`. Where they are FP8 linears reading 1x128 groups and the norm runs jetrl's
+    kernel, that kernel also writes the FP8 copy they read (`rms_norm_quantized`), handed over by `offer_input_fp8`."""
+    recipe = producer_quantizer(consumers)
+    if recipe is None or not isinstance(norm, InvariantRMSNorm) or not invariant_kernels_available(h.device) \
+            or torch.compiler.is_compiling():
+        return norm(h)
+    y, y_fp8 = norm.quantized(h, recipe.act_fmt)
+    offer_input_fp8(y, y_fp8, recipe)
+    return y
+
+def _siblings(parent: nn.Module, fused_name: str) -> list:
+    "The linears that read one input (`SIBLING_LINEARS[fused_name]`: q/k/v of an attention, gate/up of an MLP), None where missing."
+    return [getattr(parent, name, None) for name in SIBLING_LINEARS[fused_name][1]]
+
+def _gated_silu(mlp: nn.Module) -> bool:
+    "transformers' gated MLPs with SiLU: `down(silu(gate(x)) * up(x))`."
+    return type(mlp).__name__ in _GATED_SILU_MLPS and type(getattr(mlp, "act_fn", None)).__name__ in _SILU_MODULES
+
 def _mlp(mlp: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """The gated MLP, `down(act(gate(x)) * up(x))`, with gate and up as one GEMM where the engine fused them. Under grad
-    (the trainer), a gated SiLU MLP keeps only gate(x) and up(x) of its middle for backward (`_SiLUMul`, below)."""
-    if fused and hasattr(mlp, "jetrl_fused_gate_up"):
-        gate, up = mlp.jetrl_fused_gate_up(x)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
-    if torch.is_grad_enabled() and type(mlp).__name__ in _GATED_SILU_MLPS and type(mlp.act_fn).__name__ in _SILU_MODULES:
-        return mlp.down_proj(_SiLUMul.apply(mlp.gate_proj(x), mlp.up_proj(x)))
-    return mlp(x)
+    """The gated MLP, `down(act(gate(x)) * up(x))`, with gate and up as one GEMM where the engine fused them. A gated
+    SiLU MLP runs its middle as `silu_mul` (one kernel where Triton runs; under grad it keeps only gate(x) and up(x) for
+    backward), which also writes the down projection's FP8 input where that is an FP8 linear reading 1x128 groups."""
+    if fused and hasattr(mlp, "jetrl_fused_gate_up"): gate, up = mlp.jetrl_fused_gate_up(x)
+    elif _gated_silu(mlp) and (torch.is_grad_enabled() or invariant_kernels_available(x.device)):
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    else: return mlp(x)
+    if not _gated_silu(mlp): return mlp.down_proj(mlp.act_fn(gate) * up)
+    recipe = producer_quantizer([mlp.down_proj])
+    if recipe is None or not invariant_kernels_available(gate.device) or torch.compiler.is_compiling():
+        return mlp.down_proj(silu_mul(gate, up))
+    y, y_fp8 = silu_mul_quantized(gate, up, recipe.act_fmt)
+    offer_input_fp8(y, y_fp8, recipe)
+    return mlp.down_proj(y)
 
 def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, key_valid: torch.Tensor,
             cache: "StaticKVCache | None" = None, upto: int | None = None, fused: bool = False) -> torch.Tensor:
@@ -250,8 +276,10 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
     for i, layer in enumerate(body.layers):
         kv = None if cache is None else (cache.keys[i][:b, :, :upto], cache.values[i][:b, :, :upto])
         def block(h, layer=layer, kv=kv):
-            h = h + _attention_block(layer.self_attn, layer.input_layernorm(h), cos, sin, columns, key_valid, kv, invariant, fused)
-            return h + _mlp(layer.mlp, layer.post_attention_layernorm(h), fused)
+            attn, mlp = layer.self_attn, layer.mlp
+            normed = _normed(layer.input_layernorm, h, _siblings(attn, "jetrl_fused_qkv"))
+            h = h + _attention_block(attn, normed, cos, sin, columns, key_valid, kv, invariant, fused)
+            return h + _mlp(mlp, _normed(layer.post_attention_layernorm, h, _siblings(mlp, "jetrl_fused_gate_up")), fused)
         # checkpointed, a layer saves no RNG state: it draws no random numbers (no dropout here), and a CUDA graph's
         # capture may not read that state
         if checkpointing: h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, preserve_rng_state=False)
@@ -280,23 +308,6 @@ def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
 # %% ../nbs/05_rollout.ipynb #b4f2d8e1
 _GATED_SILU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")   # down(act(gate(x)) * up(x)), transformers' classes
 _SILU_MODULES = ("SiLU", "SiLUActivation")                               # torch's and transformers' (F.silu both)
-
-class _SiLUMul(torch.autograd.Function):
-    """silu(gate) * up that keeps only gate and up for backward, where silu(gate) is recomputed: by one Triton kernel
-    where `backward_kernels_active` (a GPU), else by autograd's own ops."""
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return torch.nn.functional.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, d_out: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        need_d_gate, need_d_up = ctx.needs_input_grad
-        if backward_kernels_active(gate.device): return silu_mul_backward(gate, up, d_out, need_d_gate, need_d_up)
-        d_gate = torch.ops.aten.silu_backward(d_out * up, gate) if need_d_gate else None
-        d_up = d_out * torch.nn.functional.silu(gate) if need_d_up else None
-        return d_gate, d_up
 
 
 # %% ../nbs/05_rollout.ipynb #79b9e09b
@@ -370,7 +381,8 @@ class FusedProjection:
         first = self.linears[0]
         if self.fp8:
             block, fmt = first.recipe.block("w", "fprop"), first.recipe.weight_fmt
-            y = fp8_fprop(x, FP8Tensor(self.weight, self.scale, block, fmt), self.bias, first.recipe, self.kernel_scale)[0]
+            y = fp8_fprop(x, FP8Tensor(self.weight, self.scale, block, fmt), self.bias, first.recipe, self.kernel_scale,
+                          _shared_input_fp8(x, first.recipe))[0]           # the norm's FP8 copy of x, where it made one
         elif getattr(first, "row_invariant_hp", False): y = linear_invariant(x, self.weight.to(x.dtype), self.bias)
         else: y = torch.nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y.split(self.sizes, dim=-1)

@@ -941,3 +941,43 @@ def test_selective_log_softmax_faster_than_torch_ops(T, capsys):
         print(f"\nselective log-softmax {SELECTIVE_SHAPE} bf16, T = {T}, forward + backward: kernels "
               f"{kernel:.3f} ms, torch's ops {torch_ms:.3f} ms ({torch_ms / kernel:.2f}x)")
     assert torch_ms >= SELECTIVE_MIN_SPEEDUP * kernel, (kernel, torch_ms)
+
+
+SILU_MUL_QUANTIZED_MIN_SPEEDUP = 1.5   # one pass (reads gate, up; writes y and its FP8 copy) against torch's three
+RMS_NORM_QUANTIZED_MIN_SPEEDUP = 1.15  # the norm writing its FP8 copy against the norm, then quantize_1x128
+
+
+@cuda
+def test_silu_mul_kernel_gives_torch_bits_for_every_bf16_gate():
+    "Every finite bf16 value as gate, each against random up values: the kernel's y is torch's `F.silu(gate) * up`."
+    from jetrl.kernels import silu_mul
+    codes = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    codes = codes[torch.isfinite(codes)].cuda()
+    gate = codes.repeat(8)
+    up = torch.randn(gate.shape, device="cuda").to(torch.bfloat16)
+    assert torch.equal(silu_mul(gate, up).view(torch.int16), (torch.nn.functional.silu(gate) * up).view(torch.int16))
+
+
+@cuda
+def test_producer_quantizers_are_bitwise_and_faster(capsys):
+    """The 7B micro-batch's MLP middle and a norm: y is the separate ops' y, the FP8 copy quantize_1x128's, bit for bit,
+    in less GPU time than the ops and the quantizer apart."""
+    from jetrl.kernels import (silu_mul_quantized, rms_norm_quantized, rms_norm_invariant, quantize_1x128, graph_time_ms)
+    torch.manual_seed(0)
+    same = lambda a, b: torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    gate, up = (torch.randn(10240, 18944, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    apart = lambda: quantize_1x128(torch.nn.functional.silu(gate) * up)
+    y, y_fp8 = silu_mul_quantized(gate, up)
+    assert torch.equal(y, torch.nn.functional.silu(gate) * up) and same(y_fp8, apart())
+    silu_fused, silu_apart = graph_time_ms(lambda: silu_mul_quantized(gate, up), rounds=5), graph_time_ms(apart, rounds=5)
+    x, weight = torch.randn(10240, 3584, device="cuda", dtype=torch.bfloat16), torch.rand(3584, device="cuda", dtype=torch.bfloat16) + 0.5
+    norm_apart = lambda: quantize_1x128(rms_norm_invariant(x, weight, 1e-6))
+    y, y_fp8 = rms_norm_quantized(x, weight, 1e-6)
+    assert torch.equal(y, rms_norm_invariant(x, weight, 1e-6)) and same(y_fp8, norm_apart())
+    norm_fused, norm_apart_ms = graph_time_ms(lambda: rms_norm_quantized(x, weight, 1e-6), rounds=5), graph_time_ms(norm_apart, rounds=5)
+    with capsys.disabled():
+        print(f"\nSiLU-mul + FP8 (10240, 18944): one kernel {1e3 * silu_fused:.1f} us, torch's ops + quantize_1x128 "
+              f"{1e3 * silu_apart:.1f} us ({silu_apart / silu_fused:.2f}x); RMSNorm + FP8 (10240, 3584): one kernel "
+              f"{1e3 * norm_fused:.1f} us, apart {1e3 * norm_apart_ms:.1f} us ({norm_apart_ms / norm_fused:.2f}x)")
+    assert silu_apart >= SILU_MUL_QUANTIZED_MIN_SPEEDUP * silu_fused, (silu_fused, silu_apart)
+    assert norm_apart_ms >= RMS_NORM_QUANTIZED_MIN_SPEEDUP * norm_fused, (norm_fused, norm_apart_ms)

@@ -17,7 +17,7 @@ output once from fp32, so it lies within one bf16 ulp of the exact (float64) val
 and `silu(gate)` first too, so the two lie within 2^-6 (four half-ulps) of each other.
 
 Triton 3.6's interpreter truncates its fp32 -> bf16 casts (`00b_grad_kernels`), where the GPU rounds to nearest even:
-up to a whole ulp off at every cast. The `round_to_nearest_bf16` fixture gives the interpreter the GPU's cast, so
+up to a whole ulp off at every cast. The `gpu_casts` fixture gives the interpreter the GPU's cast, so
 these bounds hold on the CPU as on a GPU."""
 import numpy as np
 import pytest
@@ -39,18 +39,27 @@ SILU_VS_TORCH_REL = 2**-6     # the kernel against torch's ops, which round up t
 
 
 @pytest.fixture
-def round_to_nearest_bf16(monkeypatch):
-    "Under Triton's interpreter, fp32 -> bf16 casts rounded to nearest even by torch, as the GPU's (on a GPU: nothing)."
+def gpu_casts(monkeypatch):
+    """Under Triton's interpreter, fp32 -> bf16 and fp32 -> FP8 casts rounded to nearest even by torch, as the GPU's
+    (the interpreter's own truncate; on a GPU: nothing)."""
     if not INTERPRETING: return
     import triton.language as tl
     from triton.runtime import interpreter
     truncating = interpreter.InterpreterBuilder.cast_impl
+    formats = {tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16),          # bf16 lives in uint16 there, FP8 in uint8
+               tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, np.uint8), tl.float8e5: (torch.float8_e5m2, torch.uint8, np.uint8)}
     def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:      # bf16 lives in uint16 there
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interpreter.TensorHandle(rounded.numpy().view(np.uint16), dst_type.scalar)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar in formats:
+            dtype, bits, np_bits = formats[dst_type.scalar]
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype).view(bits)
+            return interpreter.TensorHandle(rounded.numpy().view(np_bits), dst_type.scalar)
         return truncating(self, src, dst_type)
+    fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp                # FP8 casts come this way
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar in formats: return cast_impl(self, src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
 
 
 def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float = DX_ULPS):
@@ -84,7 +93,7 @@ def norm_inputs(shape, weight_dtype, x_dtype=torch.bfloat16, seed=0, strided_dy=
 @pytest.mark.parametrize("H", [96, 200, 8192])                   # 200: masked columns; 8,192: the widest asked for
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("programs", [NORM_BACKWARD_PROGRAMS, 4])  # one row per program, or ten rows of 39 each
-def test_rms_norm_backward_matches_autograd(H, weight_dtype, programs, round_to_nearest_bf16):
+def test_rms_norm_backward_matches_autograd(H, weight_dtype, programs, gpu_casts):
     x, weight, dy = norm_inputs((3, 13, H), weight_dtype)          # 3-D, 39 rows, dy strided
     assert not dy.is_contiguous()
     dx, dweight = rms_norm_backward(x, weight, dy, 1e-6, programs=programs)
@@ -105,7 +114,7 @@ def test_rms_norm_backward_fp32_input_agrees_to_fp32_rounding():
 
 @needs_kernels
 @pytest.mark.parametrize("need_dx, need_dweight", [(True, False), (False, True)])
-def test_rms_norm_backward_one_gradient(need_dx, need_dweight, round_to_nearest_bf16):
+def test_rms_norm_backward_one_gradient(need_dx, need_dweight, gpu_casts):
     x, weight, dy = norm_inputs((2, 9, 200), torch.float32)
     both = rms_norm_backward(x, weight, dy, 1e-6, programs=4)
     one = rms_norm_backward(x, weight, dy, 1e-6, need_dx, need_dweight, programs=4)
@@ -144,7 +153,7 @@ def exact_silu_mul_grads(gate, up, d_out):
 
 @needs_kernels
 @pytest.mark.parametrize("shape", [(3, 7, 200), (5, 1000)])       # 4,200 and 5,000 values: a partial last block
-def test_silu_mul_backward_matches_exact_and_torch(shape, round_to_nearest_bf16):
+def test_silu_mul_backward_matches_exact_and_torch(shape, gpu_casts):
     gate, up, d_out = silu_mul_inputs(shape)
     d_gate, d_up = silu_mul_backward(gate, up, d_out)
     assert d_gate.dtype == d_up.dtype == torch.bfloat16
@@ -279,7 +288,7 @@ def test_selective_log_softmax_is_batch_invariant(T):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [1.0, 0.7])
-def test_selective_log_softmax_gradient_matches_autograd(dtype, T, round_to_nearest_bf16):
+def test_selective_log_softmax_gradient_matches_autograd(dtype, T, gpu_casts):
     logits, targets = selective_inputs(5, dtype=dtype)
     targets[1] = int(logits[1].float().argmax())          # a row whose target is its likeliest token
     grad = torch.randn(5, generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -373,3 +382,105 @@ def test_fused_head_is_on_by_default_on_a_gpu_only():
     assert jetrl.policy.fused_head_log_probs is None
     assert jetrl.policy.fused_head_active("cpu") is False
     if torch.cuda.is_available(): assert jetrl.policy.fused_head_active("cuda") is True
+
+
+# ---- quantization in the producer: RMSNorm and SiLU-mul write their output's FP8 copy ----
+
+from jetrl.fp8 import quantize_unchecked
+from jetrl.kernels import rms_norm_invariant, rms_norm_quantized, silu_mul, silu_mul_quantized, _reference_rms_norm
+
+
+def assert_same_fp8_copy(y_fp8, y: torch.Tensor, fmt: str):
+    "The producer's FP8 copy is the CPU quantizer's bytes and scales of the y it wrote, bit for bit."
+    want = quantize_unchecked(y.reshape(-1, y.shape[-1]).cpu(), (1, 128), fmt)
+    assert y_fp8.block == (1, 128) and y_fp8.fmt == fmt
+    assert torch.equal(y_fp8.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(y_fp8.scale.cpu(), want.scale)
+
+
+@needs_kernels
+@pytest.mark.parametrize("H", [96, 200, 896])                    # 96: one partial group; 200: a masked second group
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                 (torch.float32, torch.float32)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rms_norm_quantized_is_the_norm_then_the_quantizer(H, dtype, weight_dtype, fmt, gpu_casts):
+    x, weight, _ = norm_inputs((3, 13, H), weight_dtype, x_dtype=dtype)
+    x[1, 2] = 0                                                  # a zero row: scale 1
+    y, y_fp8 = rms_norm_quantized(x, weight, 1e-6, fmt)
+    assert torch.equal(y, rms_norm_invariant(x, weight, 1e-6))   # the same kernel's y, quantized or not
+    assert_within_ulps(y.cpu().to(torch.promote_types(dtype, weight_dtype)),
+                       _reference_rms_norm(x.cpu(), weight.cpu(), 1e-6), ulps=1)
+    assert_same_fp8_copy(y_fp8, y, fmt)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(3, 7, 200), (33, 256), (2, 896)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_silu_mul_quantized_is_torch_then_the_quantizer(shape, dtype, fmt, gpu_casts):
+    g = torch.Generator().manual_seed(0)
+    gate, up = ((torch.randn(shape, generator=g) * 4).to(dtype).to(DEVICE) for _ in range(2))
+    up.view(-1, shape[-1])[1] = 0                                  # a zero row: scale 1
+    y, y_fp8 = silu_mul_quantized(gate, up, fmt)
+    assert torch.equal(y, silu_mul(gate, up))                      # the same kernel's y, quantized or not
+    want = F.silu(gate) * up
+    if DEVICE == "cuda": assert torch.equal(y, want)               # CUDA's expf and IEEE division: torch's bits
+    else: assert_within_ulps(y.float(), want.float(), ulps=1)      # the interpreter's exp is numpy's
+    assert_same_fp8_copy(y_fp8, y, fmt)
+
+
+@needs_kernels
+def test_silu_mul_quantized_reads_strided_halves(gpu_casts, gate_up_rows=37, N=256):
+    "gate and up as the two halves of one fused gate/up output (rows strided by 2N), as the rollout's engine has them."
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(gate_up_rows, 2 * N, generator=g).to(torch.bfloat16).to(DEVICE)
+    gate, up = fused.split(N, dim=-1)
+    y, y_fp8 = silu_mul_quantized(gate, up)
+    y_contiguous, _ = silu_mul_quantized(gate.contiguous(), up.contiguous())
+    assert torch.equal(y, y_contiguous)
+    assert_same_fp8_copy(y_fp8, y, "e4m3")
+
+
+@needs_kernels
+def test_silu_mul_gradients_under_the_quantized_forward(gpu_casts):
+    "The quantized forward keeps the same backward: gate and up saved, silu recomputed; the FP8 copy has no gradient."
+    g = torch.Generator().manual_seed(2)
+    gate, up, d_out = (torch.randn(5, 256, generator=g).to(DEVICE) for _ in range(3))
+    a, b = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    y, y_fp8 = silu_mul_quantized(a, b)
+    assert not y_fp8.data.requires_grad
+    y.backward(d_out)
+    a2, b2 = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    (F.silu(a2) * b2).backward(d_out)
+    torch.testing.assert_close(a.grad, a2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.grad, b2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_rejects_mismatched_inputs():
+    gate = torch.randn(4, 8)
+    for up in (torch.randn(4, 7), torch.randn(4, 8, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="one shape, dtype and device"): silu_mul(gate, up)
+
+
+@needs_kernels
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, gpu_casts, monkeypatch):
+    """A jet model's forward and backward with the norms and the SiLU-mul quantizing for their FP8 linears give the bits
+    of the linears quantizing themselves (`quantize_in_producers = False`), and the linears' own quantizer runs only for
+    the inputs no producer of jetrl's makes (attention's output, for o_proj): one call per layer where it ran four."""
+    import jetrl.linear as linear
+    from test_memory import make_policy, gradients, LAYERS
+    calls = []
+    quantize = linear._quantize
+    def counted(t, recipe, operand, gemm, transposed_layout=False):
+        if operand == "x" and gemm == "fprop": calls.append(t.shape)
+        return quantize(t, recipe, operand, gemm, transposed_layout)
+    monkeypatch.setattr(linear, "_quantize", counted)
+    monkeypatch.setattr(linear, "quantize_in_producers", True)
+    handed_over = gradients(make_policy("jet", "bfloat16", checkpointing))
+    handed_over_calls = len(calls); calls.clear()
+    monkeypatch.setattr(linear, "quantize_in_producers", False)
+    own = gradients(make_policy("jet", "bfloat16", checkpointing))
+    assert all(torch.equal(a, b) for a, b in zip(handed_over, own))
+    forwards = 2 if checkpointing else 1                     # a checkpointed layer runs its forward again in backward
+    assert handed_over_calls == LAYERS * forwards and len(calls) == 4 * LAYERS * forwards
