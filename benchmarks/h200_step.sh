@@ -20,9 +20,9 @@ tail -5 "$OUT/test_gpu_step.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | cut -c1-200
 STEP="python benchmarks/grpo_step.py --strategies bf16,jet --out $OUT/grpo_step_h200.jsonl"
 timeout 115 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing 2>&1 | grep "^{" | cut -c1-260
-if grep -q " passed" "$OUT/test_gpu_step.txt" && ! grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | grep -q -E "graphed|cuda_graphs"; then
+if ! grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | grep -q -E "graphed|cuda_graphs"; then
   timeout 80 $STEP --model qwen2-0.5b --cuda-graphs 2>&1 | grep "^{" | cut -c1-260
   timeout 80 $STEP --model qwen2-0.5b --cuda-graphs --no-producer-quant 2>&1 | grep "^{" | cut -c1-260
 else
-  echo "the graphed trainer's tests failed or did not finish: no --cuda-graphs step"
+  echo "the graphed trainer's tests failed: no --cuda-graphs step"
 fi
