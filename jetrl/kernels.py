@@ -165,10 +165,16 @@ def _kernels():
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         y = (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
-        if QUANTIZE:                                     # columns past H hold 0: no group's amax changes
-            q, scale = quantize_groups(tl.reshape(y.to(tl.float32), (BLOCK // G, G)), FP8_MAX, TINY)
-            tl.store(q_ptr + row * stride_q + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=ok)
+        if QUANTIZE:
+            # y read back as (groups, G) tiles, not reshaped in registers: a reshape of the row would let the compiler
+            # lay the whole row out anew and sum the variance in another order (y's bits would differ from the plain
+            # kernel's, measured on an H200). The barrier makes the program's own stores visible to all its threads.
+            tl.debug_barrier()
             groups = tl.arange(0, BLOCK // G)
+            tile = groups[:, None] * G + tl.arange(0, G)[None, :]
+            y_tile = tl.load(y_ptr + row * stride_y + tile, mask=tile < H, other=0.0).to(tl.float32)
+            q, scale = quantize_groups(y_tile, FP8_MAX, TINY)             # columns past H hold 0: no amax changes
+            tl.store(q_ptr + row * stride_q + tile, q.to(q_ptr.dtype.element_ty), mask=tile < H)
             tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * G < H)
 
     @triton.jit
