@@ -486,3 +486,47 @@ def test_inference_linear_kernel_scales_follow_a_state_dict_load():
     assert "weight_scale_kernel" not in source.state_dict()
     assert torch.equal(target.weight_scale_kernel, kernel_weight_scale(w_fp8)) and target.weight_scale_kernel.shape == (2, 8)
     assert target.weight_scale_kernel.data_ptr() != target.weight_scale.data_ptr()
+
+
+def test_producer_quantizer_only_for_one_1x128_input_quantizer(monkeypatch):
+    """A producer (RMSNorm, SiLU-mul) quantizes for its linears only when every one of them is an FP8 linear whose Fprop
+    reads x in 1x128 groups under one quantizer; otherwise each linear quantizes its own input, as before."""
+    import dataclasses
+    import jetrl.linear as linear
+    from jetrl.linear import FP8Linear, producer_quantizer, RECIPES
+    make = lambda recipe: FP8Linear.from_linear(nn.Linear(256, 128), recipe)
+    blockwise = [make("blockwise") for _ in range(3)]
+    assert producer_quantizer(blockwise) == RECIPES["blockwise"]
+    e5m2 = dataclasses.replace(RECIPES["blockwise"], name="blockwise-e5m2-x", act_fmt="e5m2")
+    assert producer_quantizer([make(e5m2)]).act_fmt == "e5m2"
+    assert producer_quantizer(blockwise + [None]) is None                      # a sibling missing (no gate_proj)
+    assert producer_quantizer([]) is None
+    assert producer_quantizer(blockwise[:1] + [make(e5m2)]) is None             # two quantizers for one input
+    assert producer_quantizer([nn.Linear(256, 128)]) is None                    # a high-precision linear
+    for name in ("bf16", "rowwise", "tensorwise"): assert producer_quantizer([make(name)]) is None
+    pow2 = dataclasses.replace(RECIPES["blockwise"], name="blockwise-pow2", pow2_scale=True)
+    assert producer_quantizer([make(pow2)]) is None                             # the kernels do not round scales to 2^k
+    no_fprop = dataclasses.replace(RECIPES["blockwise"], name="blockwise-bf16-fprop", fp8_gemms=("dgrad", "wgrad"))
+    assert producer_quantizer([make(no_fprop)]) is None
+    monkeypatch.setattr(linear, "quantize_in_producers", False)
+    assert producer_quantizer(blockwise) is None
+
+
+def test_offer_input_fp8_is_taken_once_and_only_for_that_tensor():
+    """The handed-over copy is used by a linear reading that very tensor, unchanged; a changed tensor, another tensor
+    or another quantizer is quantized afresh. The FP8 bytes equal what the linear would make itself."""
+    from jetrl.linear import offer_input_fp8, _shared_input_fp8, _quantize, RECIPES, FP8Linear
+    recipe = RECIPES["blockwise"]
+    x = torch.randn(4, 256)
+    x_fp8 = _quantize(x, recipe, "x", "fprop")
+    offer_input_fp8(x, x_fp8, recipe)
+    assert _shared_input_fp8(x, recipe) is x_fp8
+    assert _shared_input_fp8(x.clone(), recipe) is None                        # another tensor with the same values
+    assert _shared_input_fp8(x, RECIPES["rowwise"]) is None                    # another quantizer
+    lin = FP8Linear.from_linear(nn.Linear(256, 64), recipe)
+    with torch.no_grad(): want = lin(x.clone())                                # quantizes a copy of x itself
+    with torch.no_grad(): assert torch.equal(lin(x), want)                    # takes the offered copy: same bits
+    x.add_(1)                                                                  # changed in place: the copy is stale
+    assert _shared_input_fp8(x, recipe) is None
+    with pytest.raises(ValueError, match="input quantizer"):
+        offer_input_fp8(torch.randn(4, 256), _quantize(torch.randn(4, 256), RECIPES["rowwise"], "x", "fprop"), recipe)
