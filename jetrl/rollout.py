@@ -240,9 +240,16 @@ def _normed(norm: nn.Module, h: torch.Tensor, consumers: list) -> torch.Tensor:
     offer_input_fp8(y, y_fp8, recipe)
     return y
 
+# the sibling linears that read one input, by the name of their `FusedProjection` (below): (parent module, names)
+SIBLING_LINEARS = {"jetrl_fused_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+                   "jetrl_fused_gate_up": ("mlp", ("gate_proj", "up_proj"))}
+
 def _siblings(parent: nn.Module, fused_name: str) -> list:
     "The linears that read one input (`SIBLING_LINEARS[fused_name]`: q/k/v of an attention, gate/up of an MLP), None where missing."
     return [getattr(parent, name, None) for name in SIBLING_LINEARS[fused_name][1]]
+
+_GATED_SILU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")   # down(act(gate(x)) * up(x)), transformers' classes
+_SILU_MODULES = ("SiLU", "SiLUActivation")                               # torch's and transformers' (F.silu both)
 
 def _gated_silu(mlp: nn.Module) -> bool:
     "transformers' gated MLPs with SiLU: `down(silu(gate(x)) * up(x))`."
@@ -303,11 +310,6 @@ def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     columns = torch.arange(input_ids.shape[1], device=input_ids.device)
     h = _layers(model, model.model.embed_tokens(input_ids), positions, columns, attention_mask.bool())
     return model.model.norm(h)
-
-
-# %% ../nbs/05_rollout.ipynb #b4f2d8e1
-_GATED_SILU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")   # down(act(gate(x)) * up(x)), transformers' classes
-_SILU_MODULES = ("SiLU", "SiLUActivation")                               # torch's and transformers' (F.silu both)
 
 
 # %% ../nbs/05_rollout.ipynb #79b9e09b
@@ -386,9 +388,6 @@ class FusedProjection:
         elif getattr(first, "row_invariant_hp", False): y = linear_invariant(x, self.weight.to(x.dtype), self.bias)
         else: y = torch.nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y.split(self.sizes, dim=-1)
-
-SIBLING_LINEARS = {"jetrl_fused_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-                   "jetrl_fused_gate_up": ("mlp", ("gate_proj", "up_proj"))}
 
 def refresh_fused_projections(model: nn.Module) -> int:
     """Give every decoder layer's q/k/v and gate/up one `FusedProjection` (where they can be fused) and refresh them
