@@ -463,18 +463,18 @@ def _(x2d, weight): return x2d.new_empty((x2d.shape[0], weight.shape[0]))
 def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str | None):
     "The rms_norm kernel over x's rows: y (x's shape), and with `fmt` y's 1x128 FP8 bytes and scales (2-D), else None."
     H = x.shape[-1]
-    x2d = x.reshape(-1, H).contiguous()
+    x2d = x.reshape(math.prod(x.shape[:-1]), H).contiguous()          # (rows, H), also where H or rows is 0
     y = torch.empty(x2d.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     data = scale = None
     if fmt is not None:
         data = torch.empty(x2d.shape, device=x.device, dtype=fp8_dtype(fmt))
         scale = torch.empty(x2d.shape[0], math.ceil(H / KERNEL_BLOCK), device=x.device, dtype=torch.float32)
-    if x2d.shape[0]:
+    if x2d.numel():                    # one BLOCK for both variants (at least a group): the same layout, the same sums
         q, s = (data, scale) if fmt is not None else (y, y)          # unused without QUANTIZE
         _kernels()["rms_norm"][(x2d.shape[0],)](
             x2d, weight, y, q, s, H, x2d.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
             FP8_MAX=fp8_max(fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny,
-            BLOCK=max(next_power_of_2(H), KERNEL_BLOCK if fmt else 1), G=KERNEL_BLOCK, QUANTIZE=fmt is not None, num_warps=4)
+            BLOCK=max(next_power_of_2(H), KERNEL_BLOCK), G=KERNEL_BLOCK, QUANTIZE=fmt is not None, num_warps=4)
     return y.reshape(*x.shape[:-1], H), data, scale
 
 @eager_custom_op("jetrl::rms_norm_invariant", mutates_args=())
@@ -492,14 +492,17 @@ def _rms_norm_quantized_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @_rms_norm_quantized_op.register_fake
 def _(x, weight, eps, fmt):
-    rows, H = x.numel() // x.shape[-1], x.shape[-1]
+    rows, H = math.prod(x.shape[:-1]), x.shape[-1]
     return (x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)),
             x.new_empty((rows, H), dtype=fp8_dtype(fmt)), x.new_empty((rows, math.ceil(H / KERNEL_BLOCK)), dtype=torch.float32))
 
 def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str = "e4m3") -> tuple[torch.Tensor, FP8Tensor]:
     """`rms_norm_invariant(x, weight, eps)` and, from the same kernel, its FP8 copy in 1x128 groups: the bytes and scales
-    of `quantize_1x128(y.reshape(-1, H), fmt)`, without reading y again. Returns (y, FP8Tensor (rows, H))."""
-    y, data, scale = _rms_norm_quantized_op(x, weight, eps, fmt)
+    of `quantize_1x128(y.reshape(-1, H), fmt)`, without a launch of its own (the kernel reads its row of y back from
+    cache). Returns (y, FP8Tensor (rows, H)); under grad y is differentiable (`_RMSNormFunction`), the copy is not."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y, data, scale = _RMSNormFunction.apply(x, weight, eps, fmt)
+    else: y, data, scale = _rms_norm_quantized_op(x, weight, eps, fmt)
     return y, FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
 
 SILU_MUL_ROWS = 16   # rows of one SiLU-mul tile (x 128 columns): quantize_1x128's tile of contiguous rows
@@ -507,7 +510,8 @@ SILU_MUL_ROWS = 16   # rows of one SiLU-mul tile (x 128 columns): quantize_1x128
 def _launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, fmt: str | None):
     "The silu_mul kernel: y (gate's shape), and with `fmt` y's 1x128 FP8 bytes and scales (2-D), else None."
     N = gate.shape[-1]
-    gate2d, up2d = gate.reshape(-1, N), up.reshape(-1, N)          # views where the rows are evenly strided
+    rows = math.prod(gate.shape[:-1])
+    gate2d, up2d = gate.reshape(rows, N), up.reshape(rows, N)      # views where the rows are evenly strided
     if gate2d.stride(-1) != 1: gate2d = gate2d.contiguous()
     if up2d.stride(-1) != 1: up2d = up2d.contiguous()
     M = gate2d.shape[0]
@@ -532,7 +536,7 @@ def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor, fmt: str | None) -> tuple
 
 @_silu_mul_op.register_fake
 def _(gate, up, fmt):
-    N = gate.shape[-1]; rows = gate.numel() // max(N, 1)
+    N = gate.shape[-1]; rows = math.prod(gate.shape[:-1])
     y = gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
     if fmt is None: return y, y.new_empty(0, dtype=torch.float8_e4m3fn), y.new_empty(0, dtype=torch.float32)
     return y, y.new_empty((rows, N), dtype=fp8_dtype(fmt)), y.new_empty((rows, math.ceil(N / KERNEL_BLOCK)), dtype=torch.float32)
@@ -768,6 +772,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps, fmt=None):
         # with `fmt`: also y's FP8 bytes and scales (`rms_norm_quantized`), outputs without a gradient
         ctx.save_for_backward(x, weight); ctx.eps = eps
+        ctx.set_materialize_grads(False)        # no zero gradients made for the FP8 outputs (nor for an unused y)
         if fmt is None: return rms_norm_invariant(x, weight, eps)
         y, data, scale = _rms_norm_quantized_op(x, weight, eps, fmt)
         ctx.mark_non_differentiable(data, scale)
@@ -775,6 +780,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *_):
+        if dy is None: return None, None, None, None
         x, weight = ctx.saved_tensors
         need_dx, need_dweight = ctx.needs_input_grad[:2]
         backward = rms_norm_backward if backward_kernels_active(x.device) else _rms_norm_backward_autograd
@@ -795,8 +801,7 @@ class InvariantRMSNorm(nn.Module):
         "`forward(x)` and y's 1x128 FP8 copy from the same kernel (`rms_norm_quantized`); where the kernels run only."
         if not invariant_kernels_available(x.device):
             raise RuntimeError(f"InvariantRMSNorm.quantized runs jetrl's Triton kernel: not available on {x.device}.")
-        y, data, scale = _RMSNormFunction.apply(x, self.weight, self.variance_epsilon, fmt)
-        return y, FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
+        return rms_norm_quantized(x, self.weight, self.variance_epsilon, fmt)
 
     def extra_repr(self) -> str: return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, row-invariant"
 
@@ -842,7 +847,10 @@ class _SiLUMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, fmt=None):
         ctx.save_for_backward(gate, up)
-        if not invariant_kernels_available(gate.device): return F.silu(gate) * up
+        ctx.set_materialize_grads(False)        # no zero gradients made for the FP8 outputs (nor for an unused y)
+        if not invariant_kernels_available(gate.device):
+            if fmt is not None: raise RuntimeError(f"silu_mul's FP8 copy needs jetrl's Triton kernel: not on {gate.device}.")
+            return F.silu(gate) * up
         y, data, scale = _silu_mul_op(gate, up, fmt)
         if fmt is None: return y
         ctx.mark_non_differentiable(data, scale)
@@ -850,6 +858,7 @@ class _SiLUMulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, *_):
+        if d_out is None: return None, None, None
         gate, up = ctx.saved_tensors
         need_d_gate, need_d_up = ctx.needs_input_grad[:2]
         if backward_kernels_active(gate.device): return (*silu_mul_backward(gate, up, d_out, need_d_gate, need_d_up), None)

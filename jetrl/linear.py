@@ -11,7 +11,6 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'quantize_in_producers', 'WEIGHT
            'convert_to_fp8', 'fp8_modules', 'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
 # %% ../nbs/01_linear.ipynb #5bed1de3
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -119,26 +118,30 @@ def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, reci
         if bias is not None: y2d = y2d + bias.to(y2d.dtype)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1]), x_fp8
 
-_last_input: tuple | None = None   # (weak reference to x, x's version, its quantizer, x_fp8): the last FP8 input made
-
 def _input_quantizer(recipe: FP8Recipe) -> tuple: return recipe.block("x", "fprop"), recipe.act_fmt, recipe.pow2_scale
 
+def _capturing(x: torch.Tensor) -> bool: return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+def _no_sharing(x: torch.Tensor) -> bool:
+    "Traced (torch.compile: an attribute would be a side effect out of the graph) or an inference tensor (no version)."
+    return torch.compiler.is_compiling() or x.is_inference() or torch.is_inference_mode_enabled()
+
 def _shared_input_fp8(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor | None:
-    """The FP8 copy of x made last (by an FP8 linear's Fprop, or handed over by x's producer), if it is of this very
-    tensor, unchanged, under the same quantizer: q/k/v (and gate/up) read one input, so it is quantized once and saved
-    for backward once, not three (two) times. Eager only: under torch.compile the reference would be a side effect
-    out of the traced graph."""
-    if _last_input is None or torch.compiler.is_compiling() or x.is_inference(): return None
-    x_ref, version, quantizer, x_fp8 = _last_input
-    if x_ref() is not x or version != x._version or quantizer != _input_quantizer(recipe): return None
+    """The FP8 copy of x kept on x itself (by an FP8 linear's Fprop that read it, or handed over by x's producer), if x
+    is unchanged since and the quantizer is the same: q/k/v (and gate/up) read one input, so it is quantized once and
+    saved for backward once, not three (two) times. The copy lives as long as x does. One made outside a CUDA graph's
+    capture is not used inside it, nor the other way round: a captured graph must make its own from the bytes of each
+    replay. Eager only."""
+    if _no_sharing(x): return None
+    kept = getattr(x, "_jetrl_input_fp8", None)
+    if kept is None: return None
+    version, quantizer, captured, x_fp8 = kept
+    if version != x._version or quantizer != _input_quantizer(recipe) or captured != _capturing(x): return None
     return x_fp8
 
 def _remember_input_fp8(x: torch.Tensor, recipe: FP8Recipe, x_fp8: FP8Tensor):
-    """Keep `x_fp8` for the next linear that reads x: held until another input is remembered (one activation's FP8
-    copy at most, which the linears that read it save for backward anyway)."""
-    global _last_input
-    if torch.compiler.is_compiling() or x.is_inference(): return      # an inference tensor has no version counter
-    _last_input = (weakref.ref(x), x._version, _input_quantizer(recipe), x_fp8)
+    "Keep `x_fp8` on x for the next FP8 linear that reads x (see `_shared_input_fp8`)."
+    if not _no_sharing(x): x._jetrl_input_fp8 = (x._version, _input_quantizer(recipe), _capturing(x), x_fp8)
 
 # Producers of an FP8 linear's input (jetrl's RMSNorm and SiLU-mul kernels) quantize it in their own kernel and hand the
 # copy over (False: the linears quantize it themselves, as before; to compare).
@@ -147,8 +150,10 @@ quantize_in_producers = True
 def producer_quantizer(linears: "list[nn.Module | None]") -> FP8Recipe | None:
     """The recipe whose input quantizer the producer of these linears' one input may run for them: every linear is an
     FP8 linear whose Fprop quantizes x in 1x128 groups (`quantize_1x128`'s bytes), all with the same quantizer.
-    None otherwise (or with `quantize_in_producers` off): the linears quantize their input themselves."""
-    if not quantize_in_producers or not linears or any(m is None for m in linears): return None
+    None otherwise, and with `quantize_in_producers` off, under torch.compile or in inference mode (where no copy is
+    kept): the linears quantize their input themselves."""
+    if not quantize_in_producers or torch.compiler.is_compiling() or torch.is_inference_mode_enabled(): return None
+    if not linears or any(m is None for m in linears): return None
     recipes = [getattr(m, "recipe", None) for m in linears]
     if any(r is None or not r.quantizes or not r.is_fp8("fprop") for r in recipes): return None
     if len({_input_quantizer(r) for r in recipes}) != 1: return None
@@ -157,9 +162,14 @@ def producer_quantizer(linears: "list[nn.Module | None]") -> FP8Recipe | None:
 
 def offer_input_fp8(x: torch.Tensor, x_fp8: FP8Tensor, recipe: FP8Recipe):
     """Hand `x_fp8` (x's bytes under `recipe`'s input quantizer, made by x's producer) to the FP8 linears that read x
-    next: their Fprop takes it instead of quantizing x, as long as x is not changed in between. Eager only."""
-    if x_fp8.block != _input_quantizer(recipe)[0] or x_fp8.fmt != recipe.act_fmt or x_fp8.shape[-1] != x.shape[-1]:
-        raise ValueError(f"offer_input_fp8: {x_fp8} is not x {tuple(x.shape)} under {recipe.name!r}'s input quantizer.")
+    next: their Fprop takes it instead of quantizing x, as long as x is not changed in between (kept on x: it lives as
+    long as x does). Eager only; nothing is kept under torch.compile or inference mode."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (x_fp8.block != _input_quantizer(recipe)[0] or x_fp8.fmt != recipe.act_fmt or tuple(x_fp8.shape) != (rows, x.shape[-1])
+            or x_fp8.data.device != x.device):
+        raise ValueError(f"offer_input_fp8: {x_fp8} on {x_fp8.data.device} is not x {tuple(x.shape)} on {x.device} "
+                         f"under {recipe.name!r}'s input quantizer (FP8 copy of shape (rows, features), block "
+                         f"{_input_quantizer(recipe)[0]}, format {recipe.act_fmt!r}).")
     _remember_input_fp8(x, recipe, x_fp8)
 
 def _dgrad_weight(w_fp8: FP8Tensor) -> FP8Tensor:

@@ -233,9 +233,7 @@ def _normed(norm: nn.Module, h: torch.Tensor, consumers: list) -> torch.Tensor:
     """norm(h) for the linears `consumers`. Where they are FP8 linears reading 1x128 groups and the norm runs jetrl's
     kernel, that kernel also writes the FP8 copy they read (`rms_norm_quantized`), handed over by `offer_input_fp8`."""
     recipe = producer_quantizer(consumers)
-    if recipe is None or not isinstance(norm, InvariantRMSNorm) or not invariant_kernels_available(h.device) \
-            or torch.compiler.is_compiling():
-        return norm(h)
+    if recipe is None or not isinstance(norm, InvariantRMSNorm) or not invariant_kernels_available(h.device): return norm(h)
     y, y_fp8 = norm.quantized(h, recipe.act_fmt)
     offer_input_fp8(y, y_fp8, recipe)
     return y
@@ -265,8 +263,7 @@ def _mlp(mlp: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     else: return mlp(x)
     if not _gated_silu(mlp): return mlp.down_proj(mlp.act_fn(gate) * up)
     recipe = producer_quantizer([mlp.down_proj])
-    if recipe is None or not invariant_kernels_available(gate.device) or torch.compiler.is_compiling():
-        return mlp.down_proj(silu_mul(gate, up))
+    if recipe is None or not invariant_kernels_available(gate.device): return mlp.down_proj(silu_mul(gate, up))
     y, y_fp8 = silu_mul_quantized(gate, up, recipe.act_fmt)
     offer_input_fp8(y, y_fp8, recipe)
     return mlp.down_proj(y)

@@ -973,6 +973,10 @@ def test_producer_quantizers_are_bitwise_and_faster(capsys):
     y, y_fp8 = silu_mul_quantized(gate, up)
     assert torch.equal(y, torch.nn.functional.silu(gate) * up) and same(y_fp8, apart())
     silu_fused, silu_apart = graph_time_ms(lambda: silu_mul_quantized(gate, up), rounds=5), graph_time_ms(apart, rounds=5)
+    for H in (64, 200, 896):                     # one block of 128 for both variants below a group, masked columns
+        x, weight = torch.randn(333, H, device="cuda", dtype=torch.bfloat16), torch.rand(H, device="cuda") + 0.5
+        y, y_fp8 = rms_norm_quantized(x, weight, 1e-6)
+        assert torch.equal(y, rms_norm_invariant(x, weight, 1e-6)) and same(y_fp8, quantize_1x128(y)), H
     x, weight = torch.randn(10240, 3584, device="cuda", dtype=torch.bfloat16), torch.rand(3584, device="cuda", dtype=torch.bfloat16) + 0.5
     norm_apart = lambda: quantize_1x128(rms_norm_invariant(x, weight, 1e-6))
     y, y_fp8 = rms_norm_quantized(x, weight, 1e-6)

@@ -301,7 +301,6 @@ def test_compiled_training_step_equals_eager(kernel_path, recipe, bias, weight_i
         x.grad = None; model.zero_grad()
         module(x).square().sum().backward()
         return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-    monkeypatch.setattr("jetrl.linear._last_input", None)       # as in a fresh process: no input remembered by an eager call
     compiled = torch.compile(model, backend="aot_eager", fullgraph=weight_in_graph)
     for update in range(2):
         eager = grads(model)
@@ -512,21 +511,35 @@ def test_producer_quantizer_only_for_one_1x128_input_quantizer(monkeypatch):
     assert producer_quantizer(blockwise) is None
 
 
-def test_offer_input_fp8_is_taken_once_and_only_for_that_tensor():
-    """The handed-over copy is used by a linear reading that very tensor, unchanged; a changed tensor, another tensor
-    or another quantizer is quantized afresh. The FP8 bytes equal what the linear would make itself."""
+def test_offer_input_fp8_is_used_only_for_that_tensor_unchanged(monkeypatch):
+    """The handed-over copy is used by every FP8 linear that reads that very tensor, unchanged, and the linear then runs
+    no quantizer of its own; a changed tensor, another tensor or another quantizer is quantized afresh. A poisoned copy
+    (other bytes) shows which one a linear used."""
+    import jetrl.linear as linear
     from jetrl.linear import offer_input_fp8, _shared_input_fp8, _quantize, RECIPES, FP8Linear
     recipe = RECIPES["blockwise"]
     x = torch.randn(4, 256)
-    x_fp8 = _quantize(x, recipe, "x", "fprop")
-    offer_input_fp8(x, x_fp8, recipe)
-    assert _shared_input_fp8(x, recipe) is x_fp8
+    lin = FP8Linear.from_linear(nn.Linear(256, 64), recipe)
+    with torch.no_grad(): own = lin(x.clone())                                 # the linear's own quantization of x
+    poisoned = _quantize(torch.randn(4, 256), recipe, "x", "fprop")
+    offer_input_fp8(x, poisoned, recipe)
+    assert _shared_input_fp8(x, recipe) is poisoned
     assert _shared_input_fp8(x.clone(), recipe) is None                        # another tensor with the same values
     assert _shared_input_fp8(x, RECIPES["rowwise"]) is None                    # another quantizer
-    lin = FP8Linear.from_linear(nn.Linear(256, 64), recipe)
-    with torch.no_grad(): want = lin(x.clone())                                # quantizes a copy of x itself
-    with torch.no_grad(): assert torch.equal(lin(x), want)                    # takes the offered copy: same bits
+    quantized = []
+    monkeypatch.setattr(linear, "_quantize", lambda *a, **k: quantized.append(a[2]) or _quantize(*a, **k))
+    with torch.no_grad(): took = [lin(x), lin(x)]                             # q, k: both take the offered copy
+    assert quantized == [] and all(torch.equal(t, took[0]) for t in took) and not torch.equal(took[0], own)
+    offer_input_fp8(x, _quantize(x, recipe, "x", "fprop"), recipe)            # the true copy: the linear's own bits
+    with torch.no_grad(): assert torch.equal(lin(x), own) and quantized == []
     x.add_(1)                                                                  # changed in place: the copy is stale
     assert _shared_input_fp8(x, recipe) is None
+    with torch.no_grad(): lin(x)
+    assert quantized == ["x"]
     with pytest.raises(ValueError, match="input quantizer"):
         offer_input_fp8(torch.randn(4, 256), _quantize(torch.randn(4, 256), RECIPES["rowwise"], "x", "fprop"), recipe)
+    with pytest.raises(ValueError, match="input quantizer"):                   # a copy of other rows
+        offer_input_fp8(torch.randn(4, 256), _quantize(torch.randn(5, 256), recipe, "x", "fprop"), recipe)
+    with torch.inference_mode():                                               # nothing kept in inference mode
+        offer_input_fp8(x, poisoned, recipe)
+    assert _shared_input_fp8(x, recipe) is not poisoned                        # the copy lin(x) kept just above
