@@ -72,7 +72,8 @@ def test_mlp_recompute_drops_one_intermediate_tensor_per_layer(strategy, monkeyp
 
 
 def test_no_grad_forward_runs_the_models_own_mlp(monkeypatch):
-    "The rollout side (no grad) never enters the recomputing function."
+    """On the CPU, the rollout side (no grad) never enters the recomputing function. (Where Triton runs, no-grad
+    forwards run `silu_mul`'s one kernel instead of the model's MLP module, without autograd.)"""
     policy, ids = make_policy("bf16", "float32"), batch()[0]
     calls = []
     monkeypatch.setattr(kernels._SiLUMulFunction, "apply", lambda *a: calls.append(1))
