@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --model qwen2-7b --rows 128 --strategies bf16,jet
     python benchmarks/profile_step.py --model qwen2-0.5b --strategies bf16,jet --train-only --cuda-graphs
+    python benchmarks/profile_step.py --model qwen2-7b --strategies bf16,jet --train-only --shapes   # ops by input shapes
 
 Eager (no CUDA graphs) so that every kernel is seen; kernel times are what a graph replays, minus launch gaps.
 Prints, per strategy: the graphed decode step time (from the engine's own timing), then the top kernels by GPU
@@ -77,7 +78,7 @@ def train_profile(policy, engine, prompts, strategy: str, args):
     walls = []
     for _ in range(3):
         start = time.perf_counter(); step(); torch.cuda.synchronize(); walls.append(time.perf_counter() - start)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.shapes) as prof:
         step(); torch.cuda.synchronize()
     gpu_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
     events = prof.key_averages()
@@ -90,6 +91,10 @@ def train_profile(policy, engine, prompts, strategy: str, args):
     print(top_kernels(prof, args.top))
     print(f"--- {strategy}: top host ops by self CPU time")
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70), flush=True)
+    if args.shapes:           # which tensors an op's kernels ran on: e.g. whose elementwise adds are not vectorized
+        print(f"--- {strategy}: top ops by GPU time, per input shapes")
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=args.top,
+                                                                  max_name_column_width=50, max_shapes_column_width=90), flush=True)
 
 
 def main(argv=None):
@@ -106,6 +111,8 @@ def main(argv=None):
                    help="only the training micro-batch: wall time against kernel time, and the host's busiest ops")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the training micro-batch replayed from CUDA graphs (GraphedLogProbs), as train(cuda_graphs=True)")
+    p.add_argument("--shapes", action="store_true",
+                   help="--train-only: also the ops grouped by their input shapes (the profiler records them: slower)")
     args = p.parse_args(argv)
     for strategy in args.strategies.split(","):
         model, tokenizer = build(args.model, torch.bfloat16)
