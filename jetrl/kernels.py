@@ -9,14 +9,15 @@ __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITO
            'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS',
            'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits',
            'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP',
-           'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES',
-           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
-           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
-           'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant', 'cublas_may_run',
-           'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits', 'rms_norm_backward',
-           'silu_mul_backward', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant',
-           'InvariantLinear', 'silu_mul', 'silu_mul_quantized', 'temperature_scaled', 'temperature_log_softmax',
-           'selective_log_softmax', 'causal_key_mask', 'attend', 'use_invariant_kernels']
+           'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'rotary_kernel',
+           'ROTARY_BLOCK_T', 'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128',
+           'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm',
+           'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant',
+           'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits',
+           'rms_norm_backward', 'silu_mul_backward', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm',
+           'linear_invariant', 'InvariantLinear', 'silu_mul', 'silu_mul_quantized', 'temperature_scaled',
+           'temperature_log_softmax', 'selective_log_softmax', 'causal_key_mask', 'attend', 'rotate_half_kernel',
+           'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -1079,6 +1080,89 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_columns: torch.T
         return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_key_mask(key_valid, q_columns), scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+# %% ../nbs/00a_kernels.ipynb #06673409
+rotary_kernel = False      # True: the rotary embedding by `rotate_half_kernel` where Triton runs (prepared, not yet measured)
+
+@functools.cache
+def _rotary_kernel():
+    "The rotary embedding's kernel, built on first use."
+    triton, tl = _triton()
+
+    @triton.jit
+    def rotary(x_ptr, cos_ptr, sin_ptr, y_ptr, HEADS, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t, sy_b, sy_h, sy_t,
+               HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+        # one (row b, head h, BLOCK_T positions) tile: y1 = x1 * c1 + (-x2) * s1, y2 = x2 * c2 + x1 * s2, each product
+        # and the sum rounded to y's dtype (torch's mul, mul, add)
+        bh = tl.program_id(0)
+        b, h = bh // HEADS, bh % HEADS
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        j = tl.arange(0, HALF)
+        ok = (t < T)[:, None]
+        x_at = x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + j[None, :]
+        c_at = cos_ptr + b * sc_b + t[:, None] * sc_t + j[None, :]
+        s_at = sin_ptr + b * ss_b + t[:, None] * ss_t + j[None, :]
+        x1 = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + HALF, mask=ok, other=0.0).to(tl.float32)
+        c1, c2 = tl.load(c_at, mask=ok, other=0.0).to(tl.float32), tl.load(c_at + HALF, mask=ok, other=0.0).to(tl.float32)
+        s1, s2 = tl.load(s_at, mask=ok, other=0.0).to(tl.float32), tl.load(s_at + HALF, mask=ok, other=0.0).to(tl.float32)
+        dt = y_ptr.dtype.element_ty
+        y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+        y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        y_at = y_ptr + b * sy_b + h * sy_h + t[:, None] * sy_t + j[None, :]
+        tl.store(y_at, y1, mask=ok)
+        tl.store(y_at + HALF, y2, mask=ok)
+
+    return rotary
+
+ROTARY_BLOCK_T = 16        # positions per program (x one head's d)
+
+def _rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    "Rotary embedding of x (b, heads, T, d) with cos/sin (b, T, d), in torch's ops: the reference."
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    d = x.shape[-1]
+    return (rotary_kernel and invariant_kernels_available(x.device) and x.dim() == 4 and d % 2 == 0
+            and next_power_of_2(d // 2) == d // 2 and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and x.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape == (x.shape[0], x.shape[2], d)
+            and not needs_64bit_offsets(x, cos, sin))
+
+@eager_custom_op("jetrl::rotary", mutates_args=())
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    B, heads, T, d = x.shape
+    y = torch.empty_like(x)                        # x's strides (a transposed view stays one): what torch's ops give
+    if x.numel():
+        _rotary_kernel()[(B * heads, math.ceil(T / ROTARY_BLOCK_T))](
+            x, cos, sin, y, heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+            sin.stride(0), sin.stride(1), y.stride(0), y.stride(1), y.stride(2), HALF=d // 2, BLOCK_T=ROTARY_BLOCK_T,
+            enable_fp_fusion=False)
+    return y
+
+@_rotary_op.register_fake
+def _(x, cos, sin): return torch.empty_like(x)
+
+class _RotaryFunction(torch.autograd.Function):
+    "Forward by the kernel; backward dx = dy * cos + cat(dr2, -dr1), dr = dy * sin: autograd's ops and roundings."
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotary_op(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        dr1, dr2 = (dy * sin[:, None]).chunk(2, dim=-1)
+        return dy * cos[:, None] + torch.cat([dr2, -dr1], dim=-1), None, None
+
+def rotate_half_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of x (b, heads, T, d) with cos/sin (b, T, d): `x * cos + cat(-x2, x1) * sin`, by one
+    kernel where `rotary_kernel` is on and it can run (Triton, d / 2 a power of two, unit last strides, one dtype),
+    else by torch's ops. Either way the same bits (tests/test_kernels.py, tests/test_gpu.py)."""
+    if not _rotary_kernel_runs(x, cos, sin): return _rotary_torch(x, cos, sin)
+    if torch.is_grad_enabled() and x.requires_grad: return _RotaryFunction.apply(x, cos, sin)
+    return _rotary_op(x, cos, sin)
 
 # %% ../nbs/00a_kernels.ipynb #d950a60a
 def _is_rms_norm(module: nn.Module) -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from .linear import assume_synced_fp8_weights, producer_quantizer, offer_input_fp8, _shared_input_fp8
 from .kernels import (attend, next_power_of_2, temperature_scaled, InvariantRMSNorm, invariant_kernels_available,
-                           silu_mul, silu_mul_quantized)
+                           silu_mul, silu_mul_quantized, rotate_half_kernel)
 import jetrl.policy
 from .policy import Policy, target_log_probs
 
@@ -205,11 +205,6 @@ class StaticKVCache:
         "Rows `keep` (ascending) move to the front, in order; the rows after them are left as they were."
         for t in self.tensors(): t[: keep.numel()] = t[keep]
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    "Rotary embedding of x (b, heads, T, d) with cos/sin (b, T, d)."
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
-
 def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.Tensor, key_valid: torch.Tensor,
                      cache_kv: tuple | None, invariant: bool, fused: bool = False) -> torch.Tensor:
     """h (b, T, hidden) at key `columns` (T,) -> attention output. With `cache_kv` (keys, values) this step's keys and
@@ -221,7 +216,7 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     q, k, v = (t.view(heads_shape) for t in qkv)
     if hasattr(attn, "q_norm"): q, k = attn.q_norm(q), attn.k_norm(k)                # Qwen3: per-head RMSNorm
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                 # (b, heads, T, d)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = rotate_half_kernel(q, cos, sin), rotate_half_kernel(k, cos, sin)      # rotary embedding
     if cache_kv is not None:
         keys, values = cache_kv
         keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))

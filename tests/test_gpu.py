@@ -988,3 +988,30 @@ def test_producer_quantizers_are_bitwise_and_faster(capsys):
               f"{1e3 * norm_fused:.1f} us, apart {1e3 * norm_apart_ms:.1f} us ({norm_apart_ms / norm_fused:.2f}x)")
     assert silu_apart >= SILU_MUL_QUANTIZED_MIN_SPEEDUP * silu_fused, (silu_fused, silu_apart)
     assert norm_apart_ms >= RMS_NORM_QUANTIZED_MIN_SPEEDUP * norm_fused, (norm_fused, norm_apart_ms)
+
+
+# The rotary embedding in one kernel (jetrl.kernels.rotate_half_kernel, off by default). ROTARY_MIN_SPEEDUP: NOT YET
+# MEASURED ON A GPU (written in session 10 without device time left): at decode torch's six small kernels each cost a
+# launch's few microseconds of GPU time, the kernel one; 1.5x leaves room for the kernel's own time.
+ROTARY_MIN_SPEEDUP = 1.5
+
+@cuda
+def test_rotary_kernel_gives_torch_bits_and_is_faster(monkeypatch, capsys):
+    import jetrl.kernels
+    from jetrl.kernels import rotate_half_kernel, _rotary_torch, graph_time_ms
+    monkeypatch.setattr(jetrl.kernels, "rotary_kernel", True)
+    torch.manual_seed(0)
+    times = {}
+    for name, (b, T) in {"decode, 128 rows": (128, 1), "trainer, 16 x 640": (16, 640)}.items():
+        q = torch.randn(b, T, 28, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)     # the 7B shape's q
+        angles = torch.rand(b, T, 64, device="cuda") * 1000
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        y, want = rotate_half_kernel(q, cos, sin), _rotary_torch(q, cos, sin)
+        assert torch.equal(y, want) and y.stride() == want.stride(), name
+        times[name] = (graph_time_ms(lambda: rotate_half_kernel(q, cos, sin), rounds=5),
+                       graph_time_ms(lambda: _rotary_torch(q, cos, sin), rounds=5))
+    with capsys.disabled():
+        print("\nrotary embedding, 7B q: " + "; ".join(f"{n}: kernel {1e3 * k:.1f} us, torch's ops {1e3 * t:.1f} us "
+                                                     f"({t / k:.2f}x)" for n, (k, t) in times.items()))
+    kernel, torch_ms = times["decode, 128 rows"]
+    assert torch_ms >= ROTARY_MIN_SPEEDUP * kernel, times

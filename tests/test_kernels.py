@@ -484,3 +484,43 @@ def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, gpu
     assert all(torch.equal(a, b) for a, b in zip(handed_over, own))
     forwards = 2 if checkpointing else 1                     # a checkpointed layer runs its forward again in backward
     assert handed_over_calls == LAYERS * forwards and len(calls) == 4 * LAYERS * forwards
+
+
+# ---- the rotary embedding in one kernel (prepared, off by default) ----
+
+from jetrl.kernels import rotate_half_kernel, _rotary_torch
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, transposed, gpu_casts, monkeypatch):
+    """q as the engine has it (a (b, T, heads, d) view transposed to (b, heads, T, d)) or contiguous; T not a multiple of
+    the kernel's tile: the kernel's output is torch's ops' bit for bit, in the same strides; its gradient is autograd's."""
+    import jetrl.kernels
+    monkeypatch.setattr(jetrl.kernels, "rotary_kernel", True)
+    g = torch.Generator().manual_seed(0)
+    b, heads, T, d = 2, 3, 37, 64
+    raw = (torch.randn(b, T, heads, d, generator=g) * 3).to(dtype)
+    x = raw.transpose(1, 2) if transposed else raw.transpose(1, 2).contiguous()
+    angles = torch.randn(b, T, d // 2, generator=g) * 10
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    x, cos, sin = x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
+    assert jetrl.kernels._rotary_kernel_runs(x, cos, sin)
+    y = rotate_half_kernel(x, cos, sin)
+    want = _rotary_torch(x, cos, sin)
+    assert torch.equal(y, want) and y.stride() == want.stride()
+    a, r = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = torch.randn(want.shape, generator=g).to(dtype).to(DEVICE)
+    rotate_half_kernel(a, cos, sin).backward(dy)
+    _rotary_torch(r, cos, sin).backward(dy)
+    assert torch.equal(a.grad, r.grad)
+
+
+def test_rotary_kernel_is_off_by_default_and_falls_back():
+    "Until a GPU has measured it, the rotary embedding runs torch's ops; shapes the kernel does not take always do."
+    import jetrl.kernels
+    assert jetrl.kernels.rotary_kernel is False
+    x, cos, sin = torch.randn(1, 2, 3, 6), torch.randn(1, 3, 6), torch.randn(1, 3, 6)        # d / 2 = 3: no kernel
+    assert not jetrl.kernels._rotary_kernel_runs(x, cos, sin)
+    assert torch.equal(rotate_half_kernel(x, cos, sin), _rotary_torch(x, cos, sin))
