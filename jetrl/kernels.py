@@ -1093,7 +1093,8 @@ def _rotary_kernel():
     def rotary(x_ptr, cos_ptr, sin_ptr, y_ptr, HEADS, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t, sy_b, sy_h, sy_t,
                HALF: tl.constexpr, BLOCK_T: tl.constexpr):
         # one (row b, head h, BLOCK_T positions) tile: y1 = x1 * c1 + (-x2) * s1, y2 = x2 * c2 + x1 * s2, each product
-        # and the sum rounded to y's dtype (torch's mul, mul, add)
+        # and the sum rounded to y's dtype (torch's mul, mul, add). (-x2) * s1 is written - (x2 * s1): the same value
+        # rounded to nearest even, and the same zeros (Triton's negation is 0 - x, which makes -(+0) +0, not -0)
         bh = tl.program_id(0)
         b, h = bh // HEADS, bh % HEADS
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -1107,7 +1108,7 @@ def _rotary_kernel():
         c1, c2 = tl.load(c_at, mask=ok, other=0.0).to(tl.float32), tl.load(c_at + HALF, mask=ok, other=0.0).to(tl.float32)
         s1, s2 = tl.load(s_at, mask=ok, other=0.0).to(tl.float32), tl.load(s_at + HALF, mask=ok, other=0.0).to(tl.float32)
         dt = y_ptr.dtype.element_ty
-        y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+        y1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
         y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
         y_at = y_ptr + b * sy_b + h * sy_h + t[:, None] * sy_t + j[None, :]
         tl.store(y_at, y1, mask=ok)
@@ -1115,7 +1116,7 @@ def _rotary_kernel():
 
     return rotary
 
-ROTARY_BLOCK_T = 16        # positions per program (x one head's d)
+ROTARY_BLOCK_T = 16        # positions per program at most (x one head's d); decode's one position gets a tile of one
 
 def _rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     "Rotary embedding of x (b, heads, T, d) with cos/sin (b, T, d), in torch's ops: the reference."
@@ -1127,16 +1128,18 @@ def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return (rotary_kernel and invariant_kernels_available(x.device) and x.dim() == 4 and d % 2 == 0
             and next_power_of_2(d // 2) == d // 2 and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
             and x.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape == (x.shape[0], x.shape[2], d)
+            and not (cos.requires_grad or sin.requires_grad)          # the kernel's backward gives x's gradient only
             and not needs_64bit_offsets(x, cos, sin))
 
 @eager_custom_op("jetrl::rotary", mutates_args=())
 def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     B, heads, T, d = x.shape
-    y = torch.empty_like(x)                        # x's strides (a transposed view stays one): what torch's ops give
+    y = torch.empty_like(x)         # the layout torch's ops give: x's strides where x is dense (a transposed view), else dense
+    block_t = min(ROTARY_BLOCK_T, next_power_of_2(T))
     if x.numel():
-        _rotary_kernel()[(B * heads, math.ceil(T / ROTARY_BLOCK_T))](
+        _rotary_kernel()[(B * heads, math.ceil(T / block_t))](
             x, cos, sin, y, heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
-            sin.stride(0), sin.stride(1), y.stride(0), y.stride(1), y.stride(2), HALF=d // 2, BLOCK_T=ROTARY_BLOCK_T,
+            sin.stride(0), sin.stride(1), y.stride(0), y.stride(1), y.stride(2), HALF=d // 2, BLOCK_T=block_t,
             enable_fp_fusion=False)
     return y
 

@@ -493,28 +493,38 @@ from jetrl.kernels import rotate_half_kernel, _rotary_torch
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, transposed, gpu_casts, monkeypatch):
-    """q as the engine has it (a (b, T, heads, d) view transposed to (b, heads, T, d)) or contiguous; T not a multiple of
-    the kernel's tile: the kernel's output is torch's ops' bit for bit, in the same strides; its gradient is autograd's."""
+@pytest.mark.parametrize("layout", ["transposed", "contiguous", "fused-split"])
+@pytest.mark.parametrize("T", [37, 1])                          # a partial tile; decode's one position
+def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T, gpu_casts, monkeypatch):
+    """q as the engine has it: a (b, T, heads, d) view transposed to (b, heads, T, d), contiguous, or a split of the fused
+    q/k/v output (not dense). The kernel's output is torch's ops' bit for bit, signed zeros included (x = +0 with
+    cos < 0 and sin > 0), in the strides torch gives; its gradient is autograd's, bit for bit."""
     import jetrl.kernels
     monkeypatch.setattr(jetrl.kernels, "rotary_kernel", True)
     g = torch.Generator().manual_seed(0)
-    b, heads, T, d = 2, 3, 37, 64
-    raw = (torch.randn(b, T, heads, d, generator=g) * 3).to(dtype)
-    x = raw.transpose(1, 2) if transposed else raw.transpose(1, 2).contiguous()
+    b, heads, d = 2, 3, 64
+    if layout == "fused-split":                                   # q of a fused q/k/v output: rows strided past q
+        raw = (torch.randn(b, T, 2 * heads * d, generator=g) * 3).to(dtype)[..., : heads * d].view(b, T, heads, d)
+    else: raw = (torch.randn(b, T, heads, d, generator=g) * 3).to(dtype)
+    raw[0, 0, 0] = 0.0                                            # +0 everywhere in one head's row
+    x = raw.transpose(1, 2) if layout != "contiguous" else raw.transpose(1, 2).contiguous()
     angles = torch.randn(b, T, d // 2, generator=g) * 10
+    angles[0, 0] = 2.0                                            # cos < 0, sin > 0: torch gives -0 + -0 = -0 there
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     x, cos, sin = x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
     assert jetrl.kernels._rotary_kernel_runs(x, cos, sin)
     y = rotate_half_kernel(x, cos, sin)
     want = _rotary_torch(x, cos, sin)
-    assert torch.equal(y, want) and y.stride() == want.stride()
+    assert torch.signbit(want[0, 0, 0, : d // 2]).all()          # the zeros the test is about are there
+    layout_of = lambda t: [stride for stride, n in zip(t.stride(), t.shape) if n > 1]     # a size-1 dim's stride is moot
+    assert same_bits(y, want) and layout_of(y) == layout_of(want)
     a, r = x.clone().requires_grad_(), x.clone().requires_grad_()
     dy = torch.randn(want.shape, generator=g).to(dtype).to(DEVICE)
-    rotate_half_kernel(a, cos, sin).backward(dy)
+    out = rotate_half_kernel(a, cos, sin)
+    assert type(out.grad_fn).__name__ == "_RotaryFunctionBackward"
+    out.backward(dy)
     _rotary_torch(r, cos, sin).backward(dy)
-    assert torch.equal(a.grad, r.grad)
+    assert same_bits(a.grad, r.grad)
 
 
 def test_rotary_kernel_is_off_by_default_and_falls_back():
@@ -523,4 +533,6 @@ def test_rotary_kernel_is_off_by_default_and_falls_back():
     assert jetrl.kernels.rotary_kernel is False
     x, cos, sin = torch.randn(1, 2, 3, 6), torch.randn(1, 3, 6), torch.randn(1, 3, 6)        # d / 2 = 3: no kernel
     assert not jetrl.kernels._rotary_kernel_runs(x, cos, sin)
+    x, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8, requires_grad=True), torch.randn(1, 3, 8)
+    assert not jetrl.kernels._rotary_kernel_runs(x, cos, sin)     # cos/sin needing a gradient: torch's ops
     assert torch.equal(rotate_half_kernel(x, cos, sin), _rotary_torch(x, cos, sin))
