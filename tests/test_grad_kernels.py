@@ -12,7 +12,7 @@ import jetrl.grad_kernels
 import jetrl.linear
 from jetrl.fp8 import FP8Tensor, KERNEL_BLOCK, quantize_unchecked
 from jetrl.kernels import HAS_TRITON, INTERPRETING, invariant_kernels_available
-from jetrl.grad_kernels import (HP_DTYPES, LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers,
+from jetrl.grad_kernels import (HP_DTYPES, LAUNCH_CANDIDATES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers,
                                 fused_grad_quantizers_active, _round_to_format)
 from jetrl.linear import FP8Recipe, FP8LinearFunction, _quantize
 
@@ -112,12 +112,12 @@ def test_every_launch_candidate_gives_the_same_bytes(launch, launch_tables):
 
 
 @needs_kernels
-@pytest.mark.parametrize("launch", REQUANTIZE_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
+@pytest.mark.parametrize("launch", LAUNCH_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
-    "Every requantizer launch the benchmark sweeps (tile, chunks, strided) gives the CPU oracle's bytes and scales."
+    "Every requantizer launch the benchmark sweeps (tile, chunks) gives the CPU oracle's bytes and scales."
     launch_tables[1].clear(); launch_tables[1].update(launch)
-    # partial groups both ways (K = 200: a program's ROWS columns past K; 300 tokens: a partial group of 44), one
-    # partial group of K with more than ROWS columns, a single row, no rows
+    # partial groups both ways (K = 200: a tile's columns past K; 300 tokens: a partial group of 44), a partial
+    # group of K, a single row, no rows
     for M, K in [(300, 200), (129, 100), (1, 5), (0, 200)]:
         x = ragged_values(M, K, torch.bfloat16, seed=5)
         for act_fmt, hp_dtype in [("e4m3", torch.bfloat16), ("e5m2", torch.bfloat16), ("e4m3", torch.float32),
@@ -132,15 +132,6 @@ def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
     data = x_fp8.data.t().contiguous().t()
     got = requantize_for_wgrad(FP8Tensor(data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"), torch.bfloat16)
     assert_same_fp8(got, transposed_oracle(x_fp8.dequantize(torch.bfloat16), "e4m3"))
-
-
-@needs_kernels
-def test_strided_requantizer_rejects_rows_that_do_not_divide_the_group(launch_tables):
-    "A program's ROWS columns must lie in one 1x128 group: ROWS divides 128, or the launch fails before the kernel."
-    launch_tables[1].clear(); launch_tables[1].update(form="strided", ROWS=48, num_warps=4)
-    x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
-    with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['ROWS'\] \(form 'strided'\) divides 128, got 48"):
-        requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
 
 
 @needs_kernels
