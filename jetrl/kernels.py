@@ -310,11 +310,15 @@ def needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
     "Whether any tensor's farthest element lies at an offset a 32-bit index cannot reach (the kernels then use 64 bits)."
     return any(sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n) >= INT32_LIMIT for t in tensors)
 
+def _fp8_buffers(rows: int, cols: int, device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    "Empty FP8 codes (rows, cols) and fp32 scales (rows, cols / 128 rounded up): a 1x128 quantizer's outputs."
+    return (torch.empty(rows, cols, device=device, dtype=fp8_dtype(fmt)),
+            torch.empty(rows, math.ceil(cols / KERNEL_BLOCK), device=device, dtype=torch.float32))
+
 @eager_custom_op("jetrl::quantize_1x128", mutates_args=())
 def _quantize_1x128_op(x2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K), G = x2d.shape, KERNEL_BLOCK
-    data = torch.empty(M, K, device=x2d.device, dtype=fp8_dtype(fmt))
-    scale = torch.empty(M, math.ceil(K / G), device=x2d.device, dtype=torch.float32)
+    data, scale = _fp8_buffers(M, K, x2d.device, fmt)
     block_m = 16 if x2d.stride(-1) == 1 else 64            # a transposed view: more rows per tile, shorter strided reads
     if M and K:
         _kernels()["quantize_1x128"][(math.ceil(M / block_m), math.ceil(K / G))](
@@ -466,10 +470,7 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str
     H = x.shape[-1]
     x2d = x.reshape(math.prod(x.shape[:-1]), H).contiguous()          # (rows, H), also where H or rows is 0
     y = torch.empty(x2d.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
-    data = scale = None
-    if fmt is not None:
-        data = torch.empty(x2d.shape, device=x.device, dtype=fp8_dtype(fmt))
-        scale = torch.empty(x2d.shape[0], math.ceil(H / KERNEL_BLOCK), device=x.device, dtype=torch.float32)
+    data, scale = _fp8_buffers(*x2d.shape, x.device, fmt) if fmt is not None else (None, None)
     if x2d.numel():                    # one BLOCK for both variants (at least a group): the same layout, the same sums
         q, s = (data, scale) if fmt is not None else (y, y)          # unused without QUANTIZE
         _kernels()["rms_norm"][(x2d.shape[0],)](
@@ -517,10 +518,7 @@ def _launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, fmt: str | None):
     if up2d.stride(-1) != 1: up2d = up2d.contiguous()
     M = gate2d.shape[0]
     y = torch.empty((M, N), device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
-    data = scale = None
-    if fmt is not None:
-        data = torch.empty((M, N), device=gate.device, dtype=fp8_dtype(fmt))
-        scale = torch.empty(M, math.ceil(N / KERNEL_BLOCK), device=gate.device, dtype=torch.float32)
+    data, scale = _fp8_buffers(M, N, gate.device, fmt) if fmt is not None else (None, None)
     if M and N:
         q, s = (data, scale) if fmt is not None else (y, y)
         _kernels()["silu_mul"][(math.ceil(M / SILU_MUL_ROWS), math.ceil(N / KERNEL_BLOCK))](

@@ -11,6 +11,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'quantize_in_producers', 'WEIGHT
            'convert_to_fp8', 'fp8_modules', 'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
 # %% ../nbs/01_linear.ipynb #5bed1de3
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -164,7 +165,7 @@ def offer_input_fp8(x: torch.Tensor, x_fp8: FP8Tensor, recipe: FP8Recipe):
     """Hand `x_fp8` (x's bytes under `recipe`'s input quantizer, made by x's producer) to the FP8 linears that read x
     next: their Fprop takes it instead of quantizing x, as long as x is not changed in between (kept on x: it lives as
     long as x does). Eager only; nothing is kept under torch.compile or inference mode."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = math.prod(x.shape[:-1])
     if (x_fp8.block != _input_quantizer(recipe)[0] or x_fp8.fmt != recipe.act_fmt or tuple(x_fp8.shape) != (rows, x.shape[-1])
             or x_fp8.data.device != x.device):
         raise ValueError(f"offer_input_fp8: {x_fp8} on {x_fp8.data.device} is not x {tuple(x.shape)} on {x.device} "
