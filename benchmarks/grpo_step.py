@@ -105,8 +105,9 @@ def main(argv=None):
     p.add_argument("--no-producer-quant", action="store_true",
                    help="FP8 linears quantize their input themselves, not the RMSNorm / SiLU-mul kernels before them "
                         "(jetrl.linear.quantize_in_producers = False; to compare)")
-    p.add_argument("--rotary-kernel", action="store_true",
-                   help="the rotary embedding by one Triton kernel (jetrl.kernels.rotary_kernel; prepared, off by default)")
+    p.add_argument("--no-rotary-kernel", action="store_true",
+                   help="the rotary embedding and its gradient by torch's ops, not by jetrl's kernel "
+                        "(jetrl.kernels.rotary_kernel = False; to compare)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
@@ -119,7 +120,7 @@ def main(argv=None):
     import jetrl.kernels
     jetrl.kernels.cublas_when_same_bits = not args.no_cublas_fprop
     jetrl.kernels.cublas_at_decode = args.cublas_decode
-    jetrl.kernels.rotary_kernel = args.rotary_kernel
+    jetrl.kernels.rotary_kernel = not args.no_rotary_kernel
     import jetrl.policy, jetrl.linear
     jetrl.policy.fused_head_log_probs = args.fused_head
     jetrl.linear.quantize_in_producers = not args.no_producer_quant

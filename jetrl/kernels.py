@@ -1080,19 +1080,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_columns: torch.T
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 # %% ../nbs/00a_kernels.ipynb #06673409
-rotary_kernel = False      # True: the rotary embedding by `rotate_half_kernel` where Triton runs (prepared, not yet measured)
+rotary_kernel = True       # the rotary embedding (and its gradient) by one kernel where Triton runs; False: torch's ops
 
 @functools.cache
 def _rotary_kernel():
-    "The rotary embedding's kernel, built on first use."
+    "The rotary embedding's kernel (forward, and with BACKWARD its gradient), built on first use."
     triton, tl = _triton()
 
     @triton.jit
     def rotary(x_ptr, cos_ptr, sin_ptr, y_ptr, HEADS, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t, sy_b, sy_h, sy_t,
-               HALF: tl.constexpr, BLOCK_T: tl.constexpr):
-        # one (row b, head h, BLOCK_T positions) tile: y1 = x1 * c1 + (-x2) * s1, y2 = x2 * c2 + x1 * s2, each product
-        # and the sum rounded to y's dtype (torch's mul, mul, add). (-x2) * s1 is written - (x2 * s1): the same value
-        # rounded to nearest even, and the same zeros (Triton's negation is 0 - x, which makes -(+0) +0, not -0)
+               HALF: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr):
+        # one (row b, head h, BLOCK_T positions) tile, each product and the sum rounded to y's dtype (torch's mul, mul,
+        # add). Forward:  y1 = x1 * c1 + (-x2) * s1,     y2 = x2 * c2 + x1 * s2.
+        # Backward (x is dy, y is dx; autograd's dy * cos + cat(dr2, -dr1), dr = dy * sin):
+        #                 y1 = x1 * c1 + x2 * s2,         y2 = x2 * c2 + (-(x1 * s1)).
+        # A negated product is subtracted: (-a) * b rounds to -(a * b), and u + (-v) is u - v in IEEE arithmetic,
+        # signed zeros included (Triton's negation is 0 - x, which makes -(+0) +0, not -0)
         bh = tl.program_id(0)
         b, h = bh // HEADS, bh % HEADS
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -1106,8 +1109,12 @@ def _rotary_kernel():
         c1, c2 = tl.load(c_at, mask=ok, other=0.0).to(tl.float32), tl.load(c_at + HALF, mask=ok, other=0.0).to(tl.float32)
         s1, s2 = tl.load(s_at, mask=ok, other=0.0).to(tl.float32), tl.load(s_at + HALF, mask=ok, other=0.0).to(tl.float32)
         dt = y_ptr.dtype.element_ty
-        y1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
-        y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        if BACKWARD:
+            y1 = ((x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)).to(dt)
+            y2 = ((x2 * c2).to(dt).to(tl.float32) - (x1 * s1).to(dt).to(tl.float32)).to(dt)
+        else:
+            y1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
+            y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
         y_at = y_ptr + b * sy_b + h * sy_h + t[:, None] * sy_t + j[None, :]
         tl.store(y_at, y1, mask=ok)
         tl.store(y_at + HALF, y2, mask=ok)
@@ -1121,6 +1128,11 @@ def _rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
 
+def _rotary_grad_torch(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    "The rotary embedding's gradient in torch's ops: dy * cos + cat(dr2, -dr1), dr = dy * sin (autograd's roundings)."
+    dr1, dr2 = (dy * sin[:, None]).chunk(2, dim=-1)
+    return dy * cos[:, None] + torch.cat([dr2, -dr1], dim=-1)
+
 def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     d = x.shape[-1]
     return (rotary_kernel and invariant_kernels_available(x.device) and x.dim() == 4 and d % 2 == 0
@@ -1130,7 +1142,7 @@ def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
             and not needs_64bit_offsets(x, cos, sin))
 
 @eager_custom_op("jetrl::rotary", mutates_args=())
-def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
     B, heads, T, d = x.shape
     y = torch.empty_like(x)         # the layout torch's ops give: x's strides where x is dense (a transposed view), else dense
     block_t = min(ROTARY_BLOCK_T, next_power_of_2(T))
@@ -1138,14 +1150,14 @@ def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         _rotary_kernel()[(B * heads, math.ceil(T / block_t))](
             x, cos, sin, y, heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), y.stride(0), y.stride(1), y.stride(2), HALF=d // 2, BLOCK_T=block_t,
-            enable_fp_fusion=False)
+            BACKWARD=backward, enable_fp_fusion=False)
     return y
 
 @_rotary_op.register_fake
-def _(x, cos, sin): return torch.empty_like(x)
+def _(x, cos, sin, backward=False): return torch.empty_like(x)
 
 class _RotaryFunction(torch.autograd.Function):
-    "Forward by the kernel; backward dx = dy * cos + cat(dr2, -dr1), dr = dy * sin: autograd's ops and roundings."
+    "Forward and backward by the kernel (the backward with autograd's roundings); torch's ops for a double backward."
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
@@ -1154,13 +1166,14 @@ class _RotaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        dr1, dr2 = (dy * sin[:, None]).chunk(2, dim=-1)
-        return dy * cos[:, None] + torch.cat([dr2, -dr1], dim=-1), None, None
+        if torch.is_grad_enabled() or not _rotary_kernel_runs(dy, cos, sin):      # create_graph, or a dy it cannot take
+            return _rotary_grad_torch(dy, cos, sin), None, None
+        return _rotary_op(dy, cos, sin, backward=True), None, None
 
 def rotate_half_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of x (b, heads, T, d) with cos/sin (b, T, d): `x * cos + cat(-x2, x1) * sin`, by one
     kernel where `rotary_kernel` is on and it can run (Triton, d / 2 a power of two, unit last strides, one dtype),
-    else by torch's ops. Either way the same bits (tests/test_kernels.py, tests/test_gpu.py)."""
+    else by torch's ops; its gradient likewise. Either way the same bits (tests/test_kernels.py, tests/test_gpu.py)."""
     if not _rotary_kernel_runs(x, cos, sin): return _rotary_torch(x, cos, sin)
     if torch.is_grad_enabled() and x.requires_grad: return _RotaryFunction.apply(x, cos, sin)
     return _rotary_op(x, cos, sin)

@@ -189,6 +189,29 @@ def _dgrad_weight(w_fp8: FP8Tensor) -> FP8Tensor:
         w_fp8.data._jetrl_dgrad_bytes = cached
     return w_fp8._replace(data=cached[1].t())
 
+def _count_wgrad_reader(x_data: torch.Tensor):
+    "One more FP8 linear whose Wgrad will read these saved FP8 input bytes (q/k/v share one input, gate/up another)."
+    if not _no_sharing(x_data): x_data._jetrl_wgrad_readers = getattr(x_data, "_jetrl_wgrad_readers", 0) + 1
+
+def _shared_wgrad_input(x_fp8: FP8Tensor, make) -> FP8Tensor:
+    """Wgrad's x operand, `make()`, made once for all the FP8 linears that saved the same FP8 input: the first of them to
+    run its backward makes it and keeps it on the saved bytes, the next ones take it, and the last one drops it, so it
+    lives only while their backwards run (one after another: q/k/v's, gate/up's). A copy made inside a CUDA graph's
+    capture is not used outside it, nor the other way round; nothing is kept under torch.compile. Saved-tensor hooks
+    that hand back other tensors (offloading) find nothing kept, and each linear makes its own: the same bytes."""
+    data = x_fp8.data
+    if _no_sharing(data): return make()
+    key = (data._version, _capturing(data))
+    kept = getattr(data, "_jetrl_wgrad_input", None)
+    x_wgrad = kept[1] if kept is not None and kept[0] == key else make()
+    readers = getattr(data, "_jetrl_wgrad_readers", 0) - 1
+    if readers > 0:
+        data._jetrl_wgrad_readers, data._jetrl_wgrad_input = readers, (key, x_wgrad)
+    else:
+        for name in ("_jetrl_wgrad_readers", "_jetrl_wgrad_input"):
+            if hasattr(data, name): delattr(data, name)
+    return x_wgrad
+
 class FP8LinearFunction(torch.autograd.Function):
     "y = x @ W.T + b with Fprop, Dgrad and Wgrad quantized per an FP8Recipe; x is saved in FP8."
 
@@ -201,6 +224,7 @@ class FP8LinearFunction(torch.autograd.Function):
             w_fp8 = w_fp8 if w_fp8 is not None else quantize_weight(hp_weight, recipe)
             y, x_fp8 = fp8_fprop(x, w_fp8, bias, recipe, w_kernel_scale, _shared_input_fp8(x, recipe))
             _remember_input_fp8(x, recipe, x_fp8)
+            if ctx.needs_input_grad[1] and recipe.is_fp8("wgrad"): _count_wgrad_reader(x_fp8.data)
             ctx.save_for_backward(x_fp8.data, x_fp8.scale, hp_weight)
             ctx.x_block, ctx.x_fmt = x_fp8.block, x_fp8.fmt
             # where Dgrad's weight blocks are Fprop's (blockwise, tensorwise), reuse the quantized weight, transposed
@@ -244,9 +268,11 @@ class FP8LinearFunction(torch.autograd.Function):
             if fp8_wgrad:
                 if dy_wgrad is None: dy_wgrad = _quantize(dy2d, recipe, "dy", "wgrad", True)
                 if fused and x_fp8 is not None and x_fp8.block == (1, KERNEL_BLOCK):
-                    x_wgrad = requantize_for_wgrad(x_fp8, dy.dtype, recipe.act_fmt)
+                    make = lambda: requantize_for_wgrad(x_fp8, dy.dtype, recipe.act_fmt)
                 else:
-                    x_wgrad = _quantize(x_hp(), recipe, "x", "wgrad", True)
+                    make = lambda: _quantize(x_hp(), recipe, "x", "wgrad", True)
+                # the same bytes either way (tests/test_grad_kernels.py); made once per saved FP8 input
+                x_wgrad = make() if x_fp8 is None else _shared_wgrad_input(x_fp8, make)
                 dw = fp8_mm(dy_wgrad.t(), x_wgrad, out_dtype=hp_weight.dtype)   # (N, K), accumulated in fp32
             else:
                 dw = (dy2d.float().t() @ x_hp().float()).to(hp_weight.dtype)

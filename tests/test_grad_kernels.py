@@ -253,6 +253,30 @@ def test_other_recipes_keep_the_old_passes(recipe, kernel_calls, dy_one_pass):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@needs_kernels
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_siblings_share_wgrads_x_operand(checkpointing, kernel_calls):
+    """q, k and v reading one input: Wgrad's x operand (requantized from the one saved FP8 copy) is made once, not three
+    times, with activation checkpointing too (the recomputed forward counts its readers again), and dropped by the last
+    backward; each dW is the dW of that linear run alone."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 150, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    ws = [(torch.randn(n, 256, generator=g) / 16).to(torch.bfloat16).to(DEVICE) for n in (256, 128, 128)]
+    dys = [torch.randn(2, 150, w.shape[0], generator=g).to(torch.bfloat16).to(DEVICE) for w in ws]
+    xi, wi = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+    def q_k_v(xi, *wi): return tuple(FP8LinearFunction.apply(xi, w, None, RECIPE) for w in wi)
+    with fused_grad_quantizers(True):
+        ys = torch.utils.checkpoint.checkpoint(q_k_v, xi, *wi, use_reentrant=False) if checkpointing else q_k_v(xi, *wi)
+        saved = ys[0].grad_fn.saved_tensors[0] if not checkpointing else None
+        torch.autograd.backward(ys, dys)
+        assert kernel_calls["requantize"] == 1
+        if saved is not None: assert not hasattr(saved, "_jetrl_wgrad_input")          # dropped by the last reader
+        for w, dy, shared in zip(ws, dys, wi):
+            _, dw, _ = run_backward(x, w, dy, RECIPE, grads=(False, True))
+            assert torch.equal(dw, shared.grad)
+    assert kernel_calls["requantize"] == 1 + 3                                           # alone: one each
+
+
 # ---- routing and errors (these run everywhere, Triton or not) ----
 
 def test_default_routing_keeps_the_cpu_path():

@@ -486,7 +486,7 @@ def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, gpu
     assert handed_over_calls == LAYERS * forwards and len(calls) == 4 * LAYERS * forwards
 
 
-# ---- the rotary embedding in one kernel (prepared, off by default) ----
+# ---- the rotary embedding in one kernel ----
 
 from jetrl.kernels import rotate_half_kernel, _rotary_torch
 
@@ -498,7 +498,8 @@ from jetrl.kernels import rotate_half_kernel, _rotary_torch
 def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T, gpu_casts, monkeypatch):
     """q as the engine has it: a (b, T, heads, d) view transposed to (b, heads, T, d), contiguous, or a split of the fused
     q/k/v output (not dense). The kernel's output is torch's ops' bit for bit, signed zeros included (x = +0 with
-    cos < 0 and sin > 0), in the strides torch gives; its gradient is autograd's, bit for bit."""
+    cos < 0 and sin > 0), in the strides torch gives; its gradient, by the kernel's backward, is autograd's bit for bit
+    (signed zeros too: dy = +0 in one row)."""
     import jetrl.kernels
     monkeypatch.setattr(jetrl.kernels, "rotary_kernel", True)
     g = torch.Generator().manual_seed(0)
@@ -519,18 +520,29 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
     layout_of = lambda t: [stride for stride, n in zip(t.stride(), t.shape) if n > 1]     # a size-1 dim's stride is moot
     assert same_bits(y, want) and layout_of(y) == layout_of(want)
     a, r = x.clone().requires_grad_(), x.clone().requires_grad_()
-    dy = torch.randn(want.shape, generator=g).to(dtype).to(DEVICE)
+    dy = torch.randn(want.shape, generator=g).to(dtype)
+    dy[0, 0, 0] = 0.0                                             # +0: dx2 = -0 - (+0) = -0 there, as autograd gives
+    dy = dy.to(DEVICE)
     out = rotate_half_kernel(a, cos, sin)
     assert type(out.grad_fn).__name__ == "_RotaryFunctionBackward"
+    calls = []
+    real_op = jetrl.kernels._rotary_op
+    monkeypatch.setattr(jetrl.kernels, "_rotary_op", lambda *args, **kw: calls.append(kw) or real_op(*args, **kw))
     out.backward(dy)
+    assert calls == [{"backward": True}]                          # the gradient came from the kernel
     _rotary_torch(r, cos, sin).backward(dy)
+    assert torch.signbit(r.grad[0, 0, 0, d // 2:]).all()          # the zeros the gradient's check is about
     assert same_bits(a.grad, r.grad)
+    # under create_graph the gradient must itself be differentiable (here in dy): torch's ops, the same bits
+    a2, dy2 = x.clone().requires_grad_(), dy.clone().requires_grad_()
+    (da,) = torch.autograd.grad(rotate_half_kernel(a2, cos, sin), a2, dy2, create_graph=True)
+    assert da.requires_grad and same_bits(da, r.grad)
 
 
-def test_rotary_kernel_is_off_by_default_and_falls_back():
-    "Until a GPU has measured it, the rotary embedding runs torch's ops; shapes the kernel does not take always do."
+def test_rotary_kernel_is_on_by_default_and_falls_back():
+    "The rotary embedding runs the kernel by default where Triton runs; shapes the kernel does not take run torch's ops."
     import jetrl.kernels
-    assert jetrl.kernels.rotary_kernel is False
+    assert jetrl.kernels.rotary_kernel is True
     x, cos, sin = torch.randn(1, 2, 3, 6), torch.randn(1, 3, 6), torch.randn(1, 3, 6)        # d / 2 = 3: no kernel
     assert not jetrl.kernels._rotary_kernel_runs(x, cos, sin)
     x, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8, requires_grad=True), torch.randn(1, 3, 8)
