@@ -12,7 +12,7 @@ __all__ = ['STATIC_MODEL_TYPES', 'SIBLING_LINEARS', 'CACHE_IMPLEMENTATIONS', 'CA
            'RolloutEngine', 'micro_batches', 'recompute_log_probs', 'strategy_mismatch_table']
 
 # %% ../nbs/05_rollout.ipynb #dda1b95e
-import time
+import math, time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
@@ -227,7 +227,7 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
 def _normed(norm: nn.Module, h: torch.Tensor, consumers: list) -> torch.Tensor:
     """norm(h) for the linears `consumers`. Where they are FP8 linears reading 1x128 groups and the norm runs jetrl's
     kernel, that kernel also writes the FP8 copy they read (`rms_norm_quantized`), handed over by `offer_input_fp8`."""
-    recipe = producer_quantizer(consumers)
+    recipe = producer_quantizer(consumers, math.prod(h.shape[:-1]))
     if recipe is None or not isinstance(norm, InvariantRMSNorm) or not invariant_kernels_available(h.device): return norm(h)
     y, y_fp8 = norm.quantized(h, recipe.act_fmt)
     offer_input_fp8(y, y_fp8, recipe)
@@ -257,7 +257,7 @@ def _mlp(mlp: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     else: return mlp(x)
     if not _gated_silu(mlp): return mlp.down_proj(mlp.act_fn(gate) * up)
-    recipe = producer_quantizer([mlp.down_proj])
+    recipe = producer_quantizer([mlp.down_proj], math.prod(gate.shape[:-1]))
     if recipe is None or not invariant_kernels_available(gate.device): return mlp.down_proj(silu_mul(gate, up))
     y, y_fp8 = silu_mul_quantized(gate, up, recipe.act_fmt)
     offer_input_fp8(y, y_fp8, recipe)
