@@ -1133,9 +1133,14 @@ def _rotary_grad_torch(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     dr1, dr2 = (dy * sin[:, None]).chunk(2, dim=-1)
     return dy * cos[:, None] + torch.cat([dr2, -dr1], dim=-1)
 
+def _plain_tensor(t: torch.Tensor) -> bool:
+    "Neither a forward-mode AD dual nor a torch.func wrapper: the kernel has no jvp and no vmap rule (torch's ops have)."
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t) and torch.autograd.forward_ad.unpack_dual(t).tangent is None
+
 def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     d = x.shape[-1]
     return (rotary_kernel and invariant_kernels_available(x.device) and x.dim() == 4 and d % 2 == 0
+            and all(_plain_tensor(t) for t in (x, cos, sin))
             and next_power_of_2(d // 2) == d // 2 and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
             and x.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape == (x.shape[0], x.shape[2], d)
             and not (cos.requires_grad or sin.requires_grad)          # the kernel's backward gives x's gradient only
@@ -1144,6 +1149,9 @@ def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 @eager_custom_op("jetrl::rotary", mutates_args=())
 def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
     B, heads, T, d = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or not cos.shape == sin.shape == (B, T, d):
+        raise ValueError(f"jetrl::rotary takes x (b, heads, T, d) and cos/sin (b, T, d), each with unit last stride; got "
+                         f"{tuple(x.shape)} {x.stride()}, {tuple(cos.shape)} {cos.stride()}, {tuple(sin.shape)} {sin.stride()}.")
     y = torch.empty_like(x)         # the layout torch's ops give: x's strides where x is dense (a transposed view), else dense
     block_t = min(ROTARY_BLOCK_T, next_power_of_2(T))
     if x.numel():

@@ -12,7 +12,7 @@ __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'quantize_in_producers', 'PRODUC
            'saved_activation_bytes']
 
 # %% ../nbs/01_linear.ipynb #5bed1de3
-import math
+import math, weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -200,23 +200,30 @@ def _count_wgrad_reader(x_data: torch.Tensor):
     "One more FP8 linear whose Wgrad will read these saved FP8 input bytes (q/k/v share one input, gate/up another)."
     if not _no_sharing(x_data): x_data._jetrl_wgrad_readers = getattr(x_data, "_jetrl_wgrad_readers", 0) + 1
 
-def _shared_wgrad_input(x_fp8: FP8Tensor, make) -> FP8Tensor:
+def _drop_wgrad_input(data: torch.Tensor):
+    for name in ("_jetrl_wgrad_readers", "_jetrl_wgrad_input"):
+        if hasattr(data, name): delattr(data, name)
+
+def _shared_wgrad_input(x_fp8: FP8Tensor, make, key: tuple) -> FP8Tensor:
     """Wgrad's x operand, `make()`, made once for all the FP8 linears that saved the same FP8 input: the first of them to
     run its backward makes it and keeps it on the saved bytes, the next ones take it, and the last one drops it, so it
-    lives only while their backwards run (one after another: q/k/v's, gate/up's). A copy made inside a CUDA graph's
-    capture is not used outside it, nor the other way round; nothing is kept under torch.compile. Saved-tensor hooks
-    that hand back other tensors (offloading) find nothing kept, and each linear makes its own: the same bytes."""
+    lives only while their backwards run (one after another: q/k/v's, gate/up's). Whatever the count (a sibling left
+    out of this backward, a forward counted twice), it is dropped when this backward pass ends. `key`: what the bytes
+    depend on besides x's (the backward's dtype, the quantizer). A copy made inside a CUDA graph's capture is not used
+    outside it, nor the other way round; nothing is kept under torch.compile. Saved-tensor hooks that hand back other
+    tensors (offloading) find nothing kept, and each linear makes its own: the same bytes."""
     data = x_fp8.data
     if _no_sharing(data): return make()
-    key = (data._version, _capturing(data))
+    key = (data._version, _capturing(data), *key)
     kept = getattr(data, "_jetrl_wgrad_input", None)
     x_wgrad = kept[1] if kept is not None and kept[0] == key else make()
     readers = getattr(data, "_jetrl_wgrad_readers", 0) - 1
     if readers > 0:
+        if kept is None or kept[0] != key:  # a safety net: at the end of this backward pass, dropped whatever the count
+            ref = weakref.ref(data)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: ref() is not None and _drop_wgrad_input(ref()))
         data._jetrl_wgrad_readers, data._jetrl_wgrad_input = readers, (key, x_wgrad)
-    else:
-        for name in ("_jetrl_wgrad_readers", "_jetrl_wgrad_input"):
-            if hasattr(data, name): delattr(data, name)
+    else: _drop_wgrad_input(data)
     return x_wgrad
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -279,7 +286,8 @@ class FP8LinearFunction(torch.autograd.Function):
                 else:
                     make = lambda: _quantize(x_hp(), recipe, "x", "wgrad", True)
                 # the same bytes either way (tests/test_grad_kernels.py); made once per saved FP8 input
-                x_wgrad = make() if x_fp8 is None else _shared_wgrad_input(x_fp8, make)
+                key = (dy.dtype, recipe.act_fmt, recipe.block("x", "wgrad"), recipe.pow2_scale)
+                x_wgrad = make() if x_fp8 is None else _shared_wgrad_input(x_fp8, make, key)
                 dw = fp8_mm(dy_wgrad.t(), x_wgrad, out_dtype=hp_weight.dtype)   # (N, K), accumulated in fp32
             else:
                 dw = (dy2d.float().t() @ x_hp().float()).to(hp_weight.dtype)

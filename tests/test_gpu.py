@@ -1008,15 +1008,21 @@ def test_rotary_kernel_gives_torch_bits_and_is_faster(monkeypatch, capsys):
         for name, (b, T) in {"decode, 128 rows": (128, 1), "trainer, 16 x 640": (16, 640)}.items():
             q = torch.randn(b, T, 28, 128, device="cuda", dtype=dtype).transpose(1, 2)          # the 7B shape's q
             q[0, 0, 0] = 0.0
-            angles = torch.rand(b, T, 64, device="cuda") * 1000
+            angles = torch.rand(b, T, 128, device="cuda") * 1000         # independent halves: none mixed up passes
             angles[0, 0] = 2.0                                              # cos < 0, sin > 0 at a row of +0: -0 out
-            cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+            cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
             y, want = rotate_half_kernel(q, cos, sin), _rotary_torch(q, cos, sin)
             assert same_bits(y, want) and strides(y) == strides(want), (name, dtype, y.stride(), want.stride())
             dy = torch.randn_like(want)
+            dy[0, 0, 0] = 0.0                                               # the gradient's -0 = -0 - (+0) there
             a, r = q.clone().requires_grad_(), q.clone().requires_grad_()
-            rotate_half_kernel(a, cos, sin).backward(dy)
+            out, calls = rotate_half_kernel(a, cos, sin), []
+            monkeypatch.setattr(jetrl.kernels, "_rotary_op", lambda *args, **kw: calls.append(kw) or _rotary_op(*args, **kw))
+            out.backward(dy)
+            monkeypatch.setattr(jetrl.kernels, "_rotary_op", _rotary_op)
+            assert calls == [{"backward": True}], calls                    # the gradient came from the kernel
             _rotary_torch(r, cos, sin).backward(dy)
+            assert torch.signbit(r.grad[0, 0, 0, 64:]).all()
             assert same_bits(a.grad, r.grad), ("gradient", name, dtype)
             if dtype == torch.bfloat16:
                 times[name] = (graph_time_ms(lambda: rotate_half_kernel(q, cos, sin), rounds=5),

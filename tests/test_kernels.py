@@ -493,7 +493,7 @@ from jetrl.kernels import rotate_half_kernel, _rotary_torch
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", ["transposed", "contiguous", "fused-split"])
 @pytest.mark.parametrize("T", [37, 1])                          # a partial tile; decode's one position
 def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T, gpu_casts, monkeypatch):
@@ -510,9 +510,10 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
     else: raw = (torch.randn(b, T, heads, d, generator=g) * 3).to(dtype)
     raw[0, 0, 0] = 0.0                                            # +0 everywhere in one head's row
     x = raw.transpose(1, 2) if layout != "contiguous" else raw.transpose(1, 2).contiguous()
-    angles = torch.randn(b, T, d // 2, generator=g) * 10
+    # cos/sin halves of independent angles (a model's halves repeat: a kernel mixing them up would pass there)
+    angles = torch.randn(b, T, d, generator=g) * 10
     angles[0, 0] = 2.0                                            # cos < 0, sin > 0: torch gives -0 + -0 = -0 there
-    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
     x, cos, sin = x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
     assert jetrl.kernels._rotary_kernel_runs(x, cos, sin)
     y = rotate_half_kernel(x, cos, sin)
@@ -549,3 +550,18 @@ def test_rotary_kernel_is_on_by_default_and_falls_back():
     x, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8, requires_grad=True), torch.randn(1, 3, 8)
     assert not jetrl.kernels._rotary_kernel_runs(x, cos, sin)     # cos/sin needing a gradient: torch's ops
     assert torch.equal(rotate_half_kernel(x, cos, sin), _rotary_torch(x, cos, sin))
+
+
+def test_rotary_kernel_leaves_forward_ad_and_torch_func_to_torchs_ops(monkeypatch):
+    "The kernel has no jvp and no vmap rule: dual tensors and torch.func's wrappers take torch's ops."
+    import jetrl.kernels
+    monkeypatch.setattr(jetrl.kernels, "invariant_kernels_available", lambda device: True)   # as on a GPU
+    x, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    assert jetrl.kernels._rotary_kernel_runs(x, cos, sin)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        assert not jetrl.kernels._rotary_kernel_runs(dual, cos, sin)
+    seen = []
+    torch.func.vmap(lambda row: seen.append(jetrl.kernels._rotary_kernel_runs(row[None], cos, sin)) or row)(x)
+    assert seen == [False]
