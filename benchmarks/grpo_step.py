@@ -36,14 +36,17 @@ def timed(device):
 
 
 def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator, sync=None,
-              graphed: GraphedLogProbs | None = None) -> dict:
+              graphed: GraphedLogProbs | None = None, with_entropy: bool = False) -> dict:
     """One GRPO step; returns its phase times and its engine-vs-trainer gap. `sync`: the weight sync (default the
-    policy's). `graphed`: the trainer's log-probs (old ones and the micro-batches' forward + backward) from CUDA graphs."""
+    policy's). `graphed`: the trainer's log-probs (old ones and the micro-batches' forward + backward) from CUDA graphs.
+    `with_entropy`: the old log-probs with each position's entropy, as `jetrl.train` computes them."""
     device, config = policy.device, GRPOConfig(num_generations=params.n)
     t0 = timed(device)
     rollout = engine.generate(prompts, params)                                                   # rollout
     t1 = timed(device)
-    old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch, log_probs=graphed)  # trainer log-probs
+    old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch, with_entropy=with_entropy,
+                                   log_probs=graphed)                                            # trainer log-probs
+    if with_entropy: old_logp, _ = old_logp
     t2 = timed(device)
     log_probs = graphed or (lambda ids, mask: token_log_probs(policy.model, ids, mask))
     rewards = torch.randn(len(rollout), generator=generator)
@@ -108,12 +111,20 @@ def main(argv=None):
     p.add_argument("--no-rotary-kernel", action="store_true",
                    help="the rotary embedding and its gradient by torch's ops, not by jetrl's kernel "
                         "(jetrl.kernels.rotary_kernel = False; to compare)")
+    p.add_argument("--entropy", action="store_true",
+                   help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
+                        "top-entropy mask)")
+    p.add_argument("--fused-entropy", action="store_true",
+                   help="--entropy: by jetrl.kernels.softmax_entropy's kernel (jetrl.kernels.fused_entropy; prepared in "
+                        "session 11, off by default) rather than torch's formula")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
     args = p.parse_args(argv)
     if args.cuda_graphs and args.distributed:
         p.error("--cuda-graphs replays kernels, not FSDP's hooks: run it without --distributed")
+    if args.fused_entropy and not args.entropy:
+        p.error("--fused-entropy times the entropy's kernel: add --entropy (the old log-probs with the entropy)")
     if args.no_fused_grad:
         from jetrl.grad_kernels import fused_grad_quantizers
         fused_grad_quantizers(False).__enter__()                     # for the whole process
@@ -121,6 +132,7 @@ def main(argv=None):
     jetrl.kernels.cublas_when_same_bits = not args.no_cublas_fprop
     jetrl.kernels.cublas_at_decode = args.cublas_decode
     jetrl.kernels.rotary_kernel = not args.no_rotary_kernel
+    jetrl.kernels.fused_entropy = args.fused_entropy
     import jetrl.policy, jetrl.linear
     jetrl.policy.fused_head_log_probs = args.fused_head
     jetrl.linear.quantize_in_producers = not args.no_producer_quant
@@ -150,7 +162,8 @@ def main(argv=None):
             if world: prompts = rank_block(prompts, world)[0]
             generator = torch.Generator().manual_seed(2)
             graphed = GraphedLogProbs(policy.model) if args.cuda_graphs else None
-            run = lambda: grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync, graphed)
+            run = lambda: grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync, graphed,
+                                    args.entropy)
             warmup = run()                                   # captures the engine's graphs (and the trainer's: --cuda-graphs)
             if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
             steps = [run() for _ in range(args.steps)]
@@ -167,7 +180,7 @@ def main(argv=None):
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
                         fused_head=jetrl.policy.fused_head_active(device), producer_quant=jetrl.linear.quantize_in_producers,
-                        rotary_kernel=jetrl.kernels.rotary_kernel,
+                        rotary_kernel=jetrl.kernels.rotary_kernel, entropy=args.entropy, fused_entropy=args.fused_entropy,
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

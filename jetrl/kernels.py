@@ -9,15 +9,15 @@ __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITO
            'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS',
            'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits',
            'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP',
-           'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'rotary_kernel',
-           'ROTARY_BLOCK_T', 'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128',
+           'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'fused_entropy',
+           'rotary_kernel', 'ROTARY_BLOCK_T', 'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128',
            'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm',
            'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant',
            'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits',
            'rms_norm_backward', 'silu_mul_backward', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm',
            'linear_invariant', 'InvariantLinear', 'silu_mul', 'silu_mul_quantized', 'temperature_scaled',
-           'temperature_log_softmax', 'selective_log_softmax', 'causal_key_mask', 'attend', 'rotate_half_kernel',
-           'use_invariant_kernels']
+           'temperature_log_softmax', 'selective_log_softmax', 'entropy_from_log_softmax', 'softmax_entropy',
+           'causal_key_mask', 'attend', 'rotate_half_kernel', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -1044,6 +1044,75 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperatu
     if not invariant_kernels_available(logits.device): return _reference_selective_log_softmax(logits, targets, temperature)
     if logits.stride(1) != 1: logits = logits.contiguous()      # the kernels step along a row by one element
     return _SelectiveLogSoftmax.apply(logits, targets, float(temperature))
+
+# %% ../nbs/00a_kernels.ipynb #b07cb311
+fused_entropy = False      # True: `softmax_entropy` by its Triton kernel where Triton runs (prepared, not yet run on a GPU)
+
+@functools.cache
+def _entropy_kernel():
+    "The row entropy's kernel, built on first use."
+    triton, tl = _triton()
+
+    @triton.jit
+    def softmax_entropy(x_ptr, ent_ptr, V, stride_x, temperature, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+        # One row per program, blocks of BLOCK columns in order: z = x / T in fp32 (IEEE division; none at T = 1), the
+        # running max m, s = sum exp(z - m) and w = sum exp(z - m) (z - m); H = log s - w / s
+        row = tl.cast(tl.program_id(0), tl.int64)        # 64-bit row offsets: (tokens x vocab) passes 2^31
+        x_row = x_ptr + row * stride_x
+        cols = tl.arange(0, BLOCK)
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        w = tl.zeros((), tl.float32)
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            z = tl.load(x_row + c, mask=c < V, other=float("-inf")).to(tl.float32)
+            if SCALED: z = tl.math.div_rn(z, temperature)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row all -inf so far: no NaN from -inf - -inf
+            alpha = tl.exp(m - shift)
+            e = tl.exp(z - shift)
+            # w rescaled to the new max before s is (it needs the old s); -inf columns (masked or padding) add 0, not NaN
+            w = tl.where(s > 0, (w + (m - shift) * s) * alpha, 0.0) + tl.sum(tl.where(e > 0, e * (z - shift), 0.0), axis=0)
+            s = s * alpha + tl.sum(e, axis=0)
+            m = m_new
+        tl.store(ent_ptr + row, tl.log(s) - w / s)
+
+    return softmax_entropy
+
+def entropy_from_log_softmax(logp_all: torch.Tensor) -> torch.Tensor:
+    "-(p * log p) summed over the last dimension of a log-softmax; a column of p = 0 (a -inf logit) adds 0, not NaN."
+    p_logp = logp_all.exp() * logp_all
+    return -p_logp.masked_fill(logp_all == float("-inf"), 0.0).sum(-1)
+
+def _reference_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    "Torch's formula over an fp32 `temperature_log_softmax` of each row: the fallback and the oracle."
+    return entropy_from_log_softmax(temperature_log_softmax(logits, temperature))
+
+@eager_custom_op("jetrl::softmax_entropy", mutates_args=())
+def _softmax_entropy_op(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    entropy = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+    if logits.shape[0]:
+        _entropy_kernel()[(logits.shape[0],)](logits, entropy, V=logits.shape[1], stride_x=logits.stride(0),
+                                              temperature=float(temperature), SCALED=temperature != 1, BLOCK=VOCAB_BLOCK,
+                                              num_warps=LOG_SOFTMAX_WARPS)
+    return entropy
+
+@_softmax_entropy_op.register_fake
+def _(logits, temperature): return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+def softmax_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy of `softmax(logits[i].float() / temperature)` for each row: logits (n, V) in bf16, fp16 or fp32 ->
+    (n,) fp32, without a gradient. One Triton kernel reading the logits once where `fused_entropy` is on and Triton
+    runs; elsewhere torch's formula (`_reference_entropy`)."""
+    if logits.dim() != 2 or logits.dtype not in LOG_SOFTMAX_DTYPES or logits.shape[1] == 0:
+        raise ValueError(f"softmax_entropy takes logits (n, V >= 1) in one of {LOG_SOFTMAX_DTYPES}: got "
+                         f"{tuple(logits.shape)} {logits.dtype}.")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"softmax_entropy needs a finite temperature > 0, got {temperature}.")
+    logits = logits.detach()
+    if not (fused_entropy and invariant_kernels_available(logits.device)): return _reference_entropy(logits, temperature)
+    if logits.stride(1) != 1: logits = logits.contiguous()      # the kernel steps along a row by one element
+    return _softmax_entropy_op(logits, float(temperature))
 
 # %% ../nbs/00a_kernels.ipynb #ba45005b
 def causal_key_mask(key_valid: torch.Tensor, q_columns: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from .linear import (FP8Recipe, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8, fp8_modules,
                           quantize_weight)
 from .kernels import (use_invariant_kernels, invariant_kernels_available, selective_log_softmax, temperature_log_softmax,
-                           _reference_selective_log_softmax)
+                           _reference_selective_log_softmax, softmax_entropy, entropy_from_log_softmax)
 
 # %% ../nbs/04_policy.ipynb #f80ff475
 HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -179,11 +179,10 @@ def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     logits = head(hidden)
     if with_entropy and not fused_head_active(logits.device):   # one (n, vocab) log-softmax for both
         logp_all = temperature_log_softmax(logits, temperature)
-        return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1).detach()
+        return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy_from_log_softmax(logp_all).detach()
     logp = target_log_probs(logits, targets, temperature)
     if not with_entropy: return logp, None
-    with torch.no_grad(): logp_all = temperature_log_softmax(logits, temperature)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
+    with torch.no_grad(): return logp, softmax_entropy(logits, temperature)   # its own kernel with `fused_entropy`
 
 def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     temperature: float = 1.0, with_entropy: bool = False):

@@ -943,6 +943,34 @@ def test_selective_log_softmax_faster_than_torch_ops(T, capsys):
     assert torch_ms >= SELECTIVE_MIN_SPEEDUP * kernel, (kernel, torch_ms)
 
 
+# The row entropy's kernel (`jetrl.kernels.softmax_entropy`, prepared in session 11, off by default). ENTROPY_MIN_SPEEDUP:
+# NOT YET MEASURED ON A GPU: the kernel reads a bf16 logit once (2 bytes), torch's formula writes and reads an fp32
+# log-softmax and its products (~30 bytes a logit); 3x leaves room for the kernel's exp and the rows' launch.
+ENTROPY_MIN_SPEEDUP = 3.0
+ENTROPY_ABS = 2e-5
+
+
+@cuda
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_softmax_entropy_kernel_matches_the_formula_and_is_faster(T, monkeypatch, capsys):
+    "One trainer chunk at the 7B vocabulary: within ENTROPY_ABS of the float64 formula, and faster than torch's fp32 one."
+    import jetrl.kernels
+    from jetrl.kernels import graph_time_ms, softmax_entropy, _reference_entropy, entropy_from_log_softmax
+    monkeypatch.setattr(jetrl.kernels, "fused_entropy", True)
+    logits, _, _ = _selective_inputs()
+    logits[1] = logits[1] * 30                                          # a peaked row
+    got = softmax_entropy(logits, T)
+    for rows in (slice(0, 256), slice(1, 2)):
+        want = entropy_from_log_softmax(torch.log_softmax(logits[rows].double() / T, -1))
+        assert (got[rows].double() - want).abs().max().item() <= ENTROPY_ABS, rows
+    kernel, torch_ms = (graph_time_ms(lambda: softmax_entropy(logits, T), rounds=5),
+                        graph_time_ms(lambda: _reference_entropy(logits, T), rounds=5))
+    with capsys.disabled():
+        print(f"\nrow entropy {SELECTIVE_SHAPE} bf16, T = {T}: kernel {kernel:.3f} ms, torch's formula {torch_ms:.3f} ms "
+              f"({torch_ms / kernel:.2f}x)")
+    assert torch_ms >= ENTROPY_MIN_SPEEDUP * kernel, (kernel, torch_ms)
+
+
 # Measured on an H200 (session 10, 7B micro-batch shapes): SiLU-mul + FP8 copy in one kernel 1.65x torch's silu, mul
 # and quantize_1x128 (379 vs 624 us: one pass reads gate and up, writes y and its copy); RMSNorm + FP8 copy 1.10x the
 # norm then quantize_1x128 (62.6 vs 68.9 us: the quantizer's read of y is saved, the norm's own pass remains)

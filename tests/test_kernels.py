@@ -20,6 +20,7 @@ Triton 3.6's interpreter truncates its fp32 -> bf16 casts (`00b_grad_kernels`), 
 up to a whole ulp off at every cast. The `gpu_casts` fixture gives the interpreter the GPU's cast, so
 these bounds hold on the CPU as on a GPU."""
 import numpy as np
+import math
 import pytest
 import torch
 import torch.nn.functional as F
@@ -319,6 +320,53 @@ def test_selective_log_softmax_of_no_rows():
     logp = selective_log_softmax(logits, torch.zeros(0, dtype=torch.int64, device=DEVICE))
     logp.sum().backward()
     assert logp.shape == (0,) and logits.grad.shape == (0, 300)
+
+
+# ---- the row entropy: softmax_entropy's kernel (prepared, off by default) against the formula in float64 ----
+# The kernel sums in fp32 in another order than torch's formula; H = log s - w / s stays within ENTROPY_ABS of the
+# float64 value for rows of magnitude ~1-10 nats (observed ~1e-6), peaked rows (H ~ 1e-3) included.
+from jetrl.kernels import softmax_entropy, _softmax_entropy_op, _reference_entropy, entropy_from_log_softmax
+
+ENTROPY_ABS = 2e-5
+
+
+def entropy_inputs(dtype, T):
+    "Five rows over three blocks: spread like a head's, one peaked, one with -inf columns, one all equal (H = log V)."
+    logits, _ = selective_inputs(5, dtype=dtype, row_stride_pad=11)
+    logits[1] = (logits[1].float() * 30).to(dtype)                     # peaked: H near 0
+    logits[2, 50:] = float("-inf")                                      # masked columns add nothing (not NaN)
+    logits[3] = 0.5                                                     # uniform: H = log V exactly
+    want = entropy_from_log_softmax(torch.log_softmax(logits.double().cpu() / T, -1)).to(DEVICE)
+    return logits, want
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_softmax_entropy_kernel_matches_the_formula(dtype, T, monkeypatch):
+    monkeypatch.setattr(jetrl.kernels, "fused_entropy", True)
+    logits, want = entropy_inputs(dtype, T)
+    assert not logits.is_contiguous()
+    got = softmax_entropy(logits, T)
+    assert got.dtype == torch.float32 and got.shape == (5,) and not got.requires_grad
+    assert (got - want).abs().max().item() <= ENTROPY_ABS, (got - want).abs().max().item()
+    assert abs(got[3].item() - math.log(SELECTIVE_V)) <= ENTROPY_ABS
+    assert 0 <= got[1].item() < 0.2                                     # the peaked row (H ~0.1), within ENTROPY_ABS too
+    one = softmax_entropy(logits[2:3], T)                               # a row's value alone: the same bits
+    assert same_bits(one, got[2:3])
+
+
+def test_softmax_entropy_is_torchs_formula_when_off_and_rejects_bad_input(monkeypatch):
+    "Off (the default until a GPU has run it): the formula itself; -inf columns give 0, not NaN; bad input: clear errors."
+    assert jetrl.kernels.fused_entropy is False
+    logits, _ = selective_inputs(4, V=300, dtype=torch.float32)
+    logits[0, 10:] = float("-inf")
+    got = softmax_entropy(logits, 0.7)
+    assert torch.equal(got, _reference_entropy(logits, 0.7)) and torch.isfinite(got).all()
+    logp_all = torch.log_softmax(logits.float() / 0.7, -1)
+    assert torch.equal(got[1:], -(logp_all.exp() * logp_all).sum(-1)[1:])     # finite rows: the former formula's bits
+    with pytest.raises(ValueError, match="logits \\(n, V >= 1\\)"): softmax_entropy(torch.zeros(3, 4, 5))
+    with pytest.raises(ValueError, match="temperature"): softmax_entropy(logits, 0.0)
 
 
 @pytest.mark.parametrize("T", [1.0, 0.7])
