@@ -111,6 +111,9 @@ def main(argv=None):
     p.add_argument("--no-rotary-kernel", action="store_true",
                    help="the rotary embedding and its gradient by torch's ops, not by jetrl's kernel "
                         "(jetrl.kernels.rotary_kernel = False; to compare)")
+    p.add_argument("--dy-producer-quant", action="store_true",
+                   help="the SiLU-mul's backward kernel also writes gate's and up's dy FP8 copies for their Dgrad "
+                        "(jetrl.linear.quantize_dy_in_producers; prepared in session 11, off by default)")
     p.add_argument("--entropy", action="store_true",
                    help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
                         "top-entropy mask)")
@@ -136,6 +139,7 @@ def main(argv=None):
     import jetrl.policy, jetrl.linear
     jetrl.policy.fused_head_log_probs = args.fused_head
     jetrl.linear.quantize_in_producers = not args.no_producer_quant
+    jetrl.linear.quantize_dy_in_producers = args.dy_producer_quant
     world = None
     if args.distributed:
         from jetrl.distributed import init_world, shard_policy, sync_rollout_weights, rank_block
@@ -181,6 +185,7 @@ def main(argv=None):
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
                         fused_head=jetrl.policy.fused_head_active(device), producer_quant=jetrl.linear.quantize_in_producers,
                         rotary_kernel=jetrl.kernels.rotary_kernel, entropy=args.entropy, fused_entropy=args.fused_entropy,
+                        dy_producer_quant=jetrl.linear.quantize_dy_in_producers,
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

@@ -14,10 +14,11 @@ __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITO
            'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm',
            'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant',
            'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits',
-           'rms_norm_backward', 'silu_mul_backward', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm',
-           'linear_invariant', 'InvariantLinear', 'silu_mul', 'silu_mul_quantized', 'temperature_scaled',
-           'temperature_log_softmax', 'selective_log_softmax', 'entropy_from_log_softmax', 'softmax_entropy',
-           'causal_key_mask', 'attend', 'rotate_half_kernel', 'use_invariant_kernels']
+           'rms_norm_backward', 'silu_mul_backward', 'silu_mul_backward_quantized', 'backward_kernels',
+           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8',
+           'silu_mul', 'silu_mul_quantized', 'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax',
+           'entropy_from_log_softmax', 'softmax_entropy', 'causal_key_mask', 'attend', 'rotate_half_kernel',
+           'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -234,10 +235,26 @@ def _kernels():
             tl.store(partial_ptr + pid * H + cols, dw, mask=ok)
 
     @triton.jit
-    def silu_mul_backward(gate_ptr, up_ptr, d_out_ptr, d_gate_ptr, d_up_ptr, n, HAS_D_GATE: tl.constexpr,
-                          HAS_D_UP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    def store_groups_fp8(d, offsets, n, q_ptr, scale_ptr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+                         BLOCK: tl.constexpr, G: tl.constexpr):
+        # a flat block of a gradient whose rows are whole 1xG groups (N % G == 0): its FP8 copy in quantize_1x128's
+        # groups, the codes at the same offsets, a scale per group at offset // G (elementwise values: the reshape
+        # cannot change a bit of them, and a max is the same in any order)
+        at = tl.reshape(offsets, (BLOCK // G, G))
+        q, scale = quantize_groups(tl.reshape(d, (BLOCK // G, G)), FP8_MAX, TINY)
+        tl.store(q_ptr + at, q.to(q_ptr.dtype.element_ty), mask=at < n)
+        first = tl.min(at, axis=1)
+        tl.store(scale_ptr + first // G, scale, mask=first < n)
+
+    globals().update(store_groups_fp8=store_groups_fp8)
+
+    @triton.jit
+    def silu_mul_backward(gate_ptr, up_ptr, d_out_ptr, d_gate_ptr, d_up_ptr, q_gate_ptr, s_gate_ptr, q_up_ptr, s_up_ptr,
+                          n, HAS_D_GATE: tl.constexpr, HAS_D_UP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr,
+                          QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr, G: tl.constexpr):
         # out = silu(g) * u, silu(g) = g * sigmoid(g): d_up = d * silu(g), d_gate = d * u * silu'(g) with
-        # silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g). In fp32, each output rounded once.
+        # silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g). In fp32, each output rounded once. With QUANTIZE also each
+        # gradient's FP8 copy (of the rounded values) in 1xG groups: Dgrad's dy for the gate and up projections
         pid = tl.program_id(0)
         if WIDE: pid = pid.to(tl.int64)                  # widened before the product: pid * BLOCK may pass 2^31
         start = pid * BLOCK
@@ -247,10 +264,14 @@ def _kernels():
         d = tl.load(d_out_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         if HAS_D_UP:
-            tl.store(d_up_ptr + offsets, (d * (g * s)).to(d_up_ptr.dtype.element_ty), mask=ok)
+            d_up = (d * (g * s)).to(d_up_ptr.dtype.element_ty)
+            tl.store(d_up_ptr + offsets, d_up, mask=ok)
+            if QUANTIZE: store_groups_fp8(d_up.to(tl.float32), offsets, n, q_up_ptr, s_up_ptr, FP8_MAX, TINY, BLOCK, G)
         if HAS_D_GATE:
             u = tl.load(up_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-            tl.store(d_gate_ptr + offsets, (d * u * s * (1 + g * (1 - s))).to(d_gate_ptr.dtype.element_ty), mask=ok)
+            d_gate = (d * u * s * (1 + g * (1 - s))).to(d_gate_ptr.dtype.element_ty)
+            tl.store(d_gate_ptr + offsets, d_gate, mask=ok)
+            if QUANTIZE: store_groups_fp8(d_gate.to(tl.float32), offsets, n, q_gate_ptr, s_gate_ptr, FP8_MAX, TINY, BLOCK, G)
 
     @triton.jit
     def attention(q_ptr, k_ptr, v_ptr, o_ptr, q_col_ptr, valid_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
@@ -719,31 +740,59 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, e
 SILU_BLOCK = 1024    # elements per program of the SiLU-mul backward: 8 per thread of 4 warps (a 16-byte load of bf16)
 
 @eager_custom_op("jetrl::silu_mul_backward", mutates_args=())
-def _silu_mul_backward_op(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Tensor, need_d_gate: bool,
-                          need_d_up: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _silu_mul_backward_op(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Tensor, need_d_gate: bool, need_d_up: bool,
+                          grad_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor]:
+    "(d_gate, d_up, and with `grad_fmt` the FP8 codes and scales of d_gate, then d_up; empty tensors otherwise)."
     gate, up, d_out = gate.contiguous(), up.contiguous(), d_out.contiguous()
     n = gate.numel()
     d_gate = torch.empty_like(gate) if need_d_gate else gate.new_empty(0)
     d_up = torch.empty_like(up) if need_d_up else up.new_empty(0)
+    rows, N = n // max(gate.shape[-1], 1), gate.shape[-1]
+    no_copy = (gate.new_empty(0, dtype=torch.float8_e4m3fn), gate.new_empty(0, dtype=torch.float32))
+    q_gate, s_gate = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_gate else no_copy
+    q_up, s_up = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_up else no_copy
     if n and (need_d_gate or need_d_up):
         _kernels()["silu_mul_backward"][(math.ceil(n / SILU_BLOCK),)](
-            gate, up, d_out, d_gate, d_up, n, HAS_D_GATE=need_d_gate, HAS_D_UP=need_d_up, BLOCK=SILU_BLOCK,
-            WIDE=n + SILU_BLOCK > INT32_LIMIT, num_warps=4)     # the last block's masked offsets must not overflow
-    return d_gate, d_up
+            gate, up, d_out, d_gate, d_up, q_gate, s_gate, q_up, s_up, n, HAS_D_GATE=need_d_gate, HAS_D_UP=need_d_up,
+            BLOCK=SILU_BLOCK, WIDE=n + SILU_BLOCK > INT32_LIMIT,     # the last block's masked offsets must not overflow
+            QUANTIZE=grad_fmt is not None, FP8_MAX=fp8_max(grad_fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny,
+            G=KERNEL_BLOCK, num_warps=4)
+    return d_gate, d_up, q_gate, s_gate, q_up, s_up
 
 @_silu_mul_backward_op.register_fake
-def _(gate, up, d_out, need_d_gate, need_d_up):
-    return gate.new_empty(gate.shape if need_d_gate else (0,)), up.new_empty(up.shape if need_d_up else (0,))
+def _(gate, up, d_out, need_d_gate, need_d_up, grad_fmt):
+    rows, N = gate.numel() // max(gate.shape[-1], 1), gate.shape[-1]
+    def copy(need):
+        if grad_fmt is None or not need: return gate.new_empty(0, dtype=torch.float8_e4m3fn), gate.new_empty(0, dtype=torch.float32)
+        return gate.new_empty((rows, N), dtype=fp8_dtype(grad_fmt)), gate.new_empty((rows, math.ceil(N / KERNEL_BLOCK)), dtype=torch.float32)
+    return (gate.new_empty(gate.shape if need_d_gate else (0,)), up.new_empty(up.shape if need_d_up else (0,)),
+            *copy(need_d_gate), *copy(need_d_up))
 
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Tensor, need_d_gate: bool = True,
                       need_d_up: bool = True):
     """(d_gate, d_up) of `silu(gate) * up` for the output gradient `d_out`, in one Triton kernel (fp32 inside, each
     output rounded once to its input's dtype); None for a gradient not asked for. All three of one shape."""
+    d_gate, d_up, _ = silu_mul_backward_quantized(gate, up, d_out, None, need_d_gate, need_d_up)
+    return d_gate, d_up
+
+def silu_mul_backward_quantized(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Tensor, grad_fmt: str | None,
+                                need_d_gate: bool = True, need_d_up: bool = True):
+    """`silu_mul_backward` and, from the same kernel with `grad_fmt`, each gradient's FP8 copy in 1x128 groups (the
+    bytes and scales of `quantize_1x128(d.reshape(-1, N), grad_fmt)`: the gate and up projections' Dgrad operand).
+    Returns (d_gate, d_up, (gate copy, up copy)), None where not asked for; the copies need N % 128 == 0."""
     if not gate.shape == up.shape == d_out.shape:
         raise ValueError(f"silu_mul_backward takes gate, up and d_out of one shape: got {tuple(gate.shape)}, "
                          f"{tuple(up.shape)}, {tuple(d_out.shape)}.")
-    d_gate, d_up = _silu_mul_backward_op(gate, up, d_out, need_d_gate, need_d_up)
-    return (d_gate if need_d_gate else None), (d_up if need_d_up else None)
+    if grad_fmt is not None:
+        fp8_dtype(grad_fmt)                                     # an unknown format fails here, before any work
+        if gate.dim() == 0 or gate.shape[-1] % KERNEL_BLOCK:
+            raise ValueError(f"silu_mul_backward's FP8 copies need whole 1x{KERNEL_BLOCK} groups per row: the last "
+                             f"dimension {tuple(gate.shape)[-1:]} is not a multiple of {KERNEL_BLOCK}.")
+    d_gate, d_up, q_gate, s_gate, q_up, s_up = _silu_mul_backward_op(gate, up, d_out, need_d_gate, need_d_up, grad_fmt)
+    copy = lambda q, s, need: FP8Tensor(q, s, (1, KERNEL_BLOCK), grad_fmt) if grad_fmt is not None and need else None
+    return ((d_gate if need_d_gate else None), (d_up if need_d_up else None),
+            (copy(q_gate, s_gate, need_d_gate), copy(q_up, s_up, need_d_up)))
 
 
 # %% ../nbs/00a_kernels.ipynb #059b35c4
@@ -839,13 +888,21 @@ class InvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor: return linear_invariant(x, self.weight, self.bias)
 
 # %% ../nbs/00a_kernels.ipynb #0d3ccd83
+def hand_over_grad_fp8(grad: torch.Tensor, grad_fp8: FP8Tensor):
+    """Keep `grad_fp8` (grad's 1x128 FP8 copy, (rows, N)) on the gradient tensor itself, for the FP8 linear whose
+    backward receives it as dy (`jetrl.linear` checks version, format and shape before it takes it). Eager only."""
+    if torch.compiler.is_compiling() or grad.is_inference(): return
+    grad._jetrl_grad_fp8 = (grad._version, grad.is_cuda and torch.cuda.is_current_stream_capturing(), grad_fp8)
+
 class _SiLUMulFunction(torch.autograd.Function):
     """silu(gate) * up that keeps only gate and up for backward, where silu(gate) is recomputed: by one Triton kernel
     where `backward_kernels_active` (a GPU), else by autograd's own ops. Forward by the `silu_mul` kernel where Triton
-    runs (with `fmt`, y's FP8 bytes and scales too: outputs without a gradient), else by torch's two ops."""
+    runs (with `fmt`, y's FP8 bytes and scales too: outputs without a gradient), else by torch's two ops. With
+    `grad_fmt` the backward kernel also writes each gradient's FP8 copy and hands it over (`hand_over_grad_fp8`)."""
     @staticmethod
-    def forward(ctx, gate, up, fmt=None):
+    def forward(ctx, gate, up, fmt=None, grad_fmt=None):
         ctx.save_for_backward(gate, up)
+        ctx.grad_fmt = grad_fmt
         ctx.set_materialize_grads(False)        # no zero gradients made for the FP8 outputs (nor for an unused y)
         if not invariant_kernels_available(gate.device):
             if fmt is not None: raise RuntimeError(f"silu_mul's FP8 copy needs jetrl's Triton kernel: not on {gate.device}.")
@@ -857,35 +914,44 @@ class _SiLUMulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, *_):
-        if d_out is None: return None, None, None
+        if d_out is None: return None, None, None, None
         gate, up = ctx.saved_tensors
         need_d_gate, need_d_up = ctx.needs_input_grad[:2]
-        if backward_kernels_active(gate.device): return (*silu_mul_backward(gate, up, d_out, need_d_gate, need_d_up), None)
+        if backward_kernels_active(gate.device):
+            grad_fmt = ctx.grad_fmt if gate.dim() and gate.shape[-1] % KERNEL_BLOCK == 0 else None
+            d_gate, d_up, copies = silu_mul_backward_quantized(gate, up, d_out, grad_fmt, need_d_gate, need_d_up)
+            for grad, copy in zip((d_gate, d_up), copies):
+                if copy is not None: hand_over_grad_fp8(grad, copy)
+            return d_gate, d_up, None, None
         d_gate = torch.ops.aten.silu_backward(d_out * up, gate) if need_d_gate else None
         d_up = d_out * F.silu(gate) if need_d_up else None
-        return d_gate, d_up, None
+        return d_gate, d_up, None, None
 
 def _check_silu_mul_inputs(gate: torch.Tensor, up: torch.Tensor):
     if gate.shape != up.shape or gate.device != up.device or not gate.is_floating_point() or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul takes gate and up of one shape, dtype and device: got {tuple(gate.shape)} {gate.dtype} "
                          f"on {gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}.")
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, grad_fmt: str | None = None) -> torch.Tensor:
     """`F.silu(gate) * up` with torch's roundings: one kernel where Triton runs, torch's two ops elsewhere. Under grad it
-    keeps gate and up for backward, not silu(gate) (recomputed there)."""
+    keeps gate and up for backward, not silu(gate) (recomputed there). `grad_fmt`: the backward kernel also writes
+    the gradients' FP8 copies in 1x128 groups of that format and hands them to the gate and up projections."""
     _check_silu_mul_inputs(gate, up)
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad): return _SiLUMulFunction.apply(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiLUMulFunction.apply(gate, up, None, grad_fmt)
     if invariant_kernels_available(gate.device): return _silu_mul_op(gate, up, None)[0]
     return F.silu(gate) * up
 
-def silu_mul_quantized(gate: torch.Tensor, up: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, FP8Tensor]:
+def silu_mul_quantized(gate: torch.Tensor, up: torch.Tensor, fmt: str = "e4m3",
+                       grad_fmt: str | None = None) -> tuple[torch.Tensor, FP8Tensor]:
     """`silu_mul(gate, up)` and, from the same kernel, y's FP8 copy in 1x128 groups (the bytes and scales of
-    `quantize_1x128(y.reshape(-1, N), fmt)`): (y, FP8Tensor (rows, N)). Where the kernels run only."""
+    `quantize_1x128(y.reshape(-1, N), fmt)`): (y, FP8Tensor (rows, N)). Where the kernels run only. `grad_fmt`: as
+    `silu_mul`'s."""
     _check_silu_mul_inputs(gate, up)
     if not invariant_kernels_available(gate.device):
         raise RuntimeError(f"silu_mul_quantized runs jetrl's Triton kernel: not available on {gate.device}.")
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        y, data, scale = _SiLUMulFunction.apply(gate, up, fmt)
+        y, data, scale = _SiLUMulFunction.apply(gate, up, fmt, grad_fmt)
     else: y, data, scale = _silu_mul_op(gate, up, fmt)
     return y, FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
 

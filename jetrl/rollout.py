@@ -16,7 +16,7 @@ import math, time
 from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
-from .linear import assume_synced_fp8_weights, producer_quantizer, offer_input_fp8, _shared_input_fp8
+from .linear import assume_synced_fp8_weights, producer_quantizer, offer_input_fp8, _shared_input_fp8, dy_producer_format
 from .kernels import (attend, next_power_of_2, temperature_scaled, InvariantRMSNorm, invariant_kernels_available,
                            silu_mul, silu_mul_quantized, rotate_half_kernel)
 import jetrl.policy
@@ -258,8 +258,9 @@ def _mlp(mlp: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     else: return mlp(x)
     if not _gated_silu(mlp): return mlp.down_proj(mlp.act_fn(gate) * up)
     recipe = producer_quantizer([mlp.down_proj], math.prod(gate.shape[:-1]))
-    if recipe is None or not invariant_kernels_available(gate.device): return mlp.down_proj(silu_mul(gate, up))
-    y, y_fp8 = silu_mul_quantized(gate, up, recipe.act_fmt)
+    grad_fmt = dy_producer_format(_siblings(mlp, "jetrl_fused_gate_up")) if not fused else None   # gate's and up's dy
+    if recipe is None or not invariant_kernels_available(gate.device): return mlp.down_proj(silu_mul(gate, up, grad_fmt))
+    y, y_fp8 = silu_mul_quantized(gate, up, recipe.act_fmt, grad_fmt)
     offer_input_fp8(y, y_fp8, recipe)
     return mlp.down_proj(y)
 

@@ -943,6 +943,35 @@ def test_selective_log_softmax_faster_than_torch_ops(T, capsys):
     assert torch_ms >= SELECTIVE_MIN_SPEEDUP * kernel, (kernel, torch_ms)
 
 
+# The SiLU-mul's backward writing gate's and up's dy FP8 copies (prepared in session 11, off by default:
+# `jetrl.linear.quantize_dy_in_producers`). DY_COPIES_MIN_SPEEDUP: NOT YET MEASURED ON A GPU: the kernel adds two FP8
+# writes to its bandwidth-bound pass, where two `quantize_1x128` passes each read a bf16 gradient back and write it.
+DY_COPIES_MIN_SPEEDUP = 1.2
+
+
+@cuda
+def test_silu_mul_backward_dy_copies_are_bitwise_and_faster(capsys):
+    "7B micro-batch shape: the gradients are the plain kernel's bits, the copies quantize_1x128's; one pass beats three."
+    from jetrl.kernels import silu_mul_backward, silu_mul_backward_quantized, quantize_1x128, graph_time_ms, same_bits
+    torch.manual_seed(0)
+    gate, up, d_out = (torch.randn(10240, 18944, device="cuda", dtype=torch.bfloat16) * 2 for _ in range(3))
+    d_gate, d_up, (gate_fp8, up_fp8) = silu_mul_backward_quantized(gate, up, d_out, "e4m3")
+    plain_gate, plain_up = silu_mul_backward(gate, up, d_out)
+    assert same_bits(d_gate, plain_gate) and same_bits(d_up, plain_up)
+    for copy, grad in ((gate_fp8, d_gate), (up_fp8, d_up)):
+        want = quantize_1x128(grad, "e4m3")
+        assert torch.equal(copy.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(copy.scale, want.scale)
+    fused = graph_time_ms(lambda: silu_mul_backward_quantized(gate, up, d_out, "e4m3"), rounds=5)
+    def apart():
+        dg, du = silu_mul_backward(gate, up, d_out)
+        return quantize_1x128(dg, "e4m3"), quantize_1x128(du, "e4m3")
+    apart_ms = graph_time_ms(apart, rounds=5)
+    with capsys.disabled():
+        print(f"\nSiLU-mul backward + dy copies (10240, 18944): one kernel {1e3 * fused:.1f} us, the kernel + two "
+              f"quantize_1x128 {1e3 * apart_ms:.1f} us ({apart_ms / fused:.2f}x)")
+    assert apart_ms >= DY_COPIES_MIN_SPEEDUP * fused, (fused, apart_ms)
+
+
 # The row entropy's kernel (`jetrl.kernels.softmax_entropy`, prepared in session 11, off by default). ENTROPY_MIN_SPEEDUP:
 # NOT YET MEASURED ON A GPU: the kernel reads a bf16 logit once (2 bytes), torch's formula writes and reads an fp32
 # log-softmax and its products (~30 bytes a logit); 3x leaves room for the kernel's exp and the rows' launch.

@@ -511,6 +511,59 @@ def test_silu_mul_rejects_mismatched_inputs():
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", [(5, 384), (3, 7, 256)])           # 1920 values: a partial last block of 1024
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("grad_fmt", ["e4m3", "e5m2"])
+def test_silu_mul_backward_writes_dgrads_fp8_copies(shape, dtype, grad_fmt, gpu_casts):
+    """With a gradient format, the SiLU-mul's backward kernel also writes d_gate's and d_up's FP8 copies: the CPU
+    quantizer's bytes and scales of the gradients it wrote, which are bit for bit the plain kernel's."""
+    from jetrl.kernels import silu_mul_backward, silu_mul_backward_quantized
+    g = torch.Generator().manual_seed(5)
+    gate, up, d_out = ((torch.randn(shape, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(3))
+    d_out[0] = 0.0                                                      # a row of zero gradient: scale 1, codes 0
+    plain = silu_mul_backward(gate, up, d_out)
+    d_gate, d_up, (gate_fp8, up_fp8) = silu_mul_backward_quantized(gate, up, d_out, grad_fmt)
+    assert same_bits(d_gate, plain[0]) and same_bits(d_up, plain[1])
+    assert_same_fp8_copy(gate_fp8, d_gate, grad_fmt)
+    assert_same_fp8_copy(up_fp8, d_up, grad_fmt)
+    only_up = silu_mul_backward_quantized(gate, up, d_out, grad_fmt, need_d_gate=False)
+    assert only_up[0] is None and only_up[2][0] is None and same_bits(only_up[1], d_up)
+    assert_same_fp8_copy(only_up[2][1], d_up, grad_fmt)
+
+
+def test_silu_mul_backward_copies_need_whole_groups():
+    from jetrl.kernels import silu_mul_backward_quantized
+    x = torch.randn(4, 200)
+    with pytest.raises(ValueError, match="not a multiple of 128"): silu_mul_backward_quantized(x, x, x, "e4m3")
+    with pytest.raises(ValueError): silu_mul_backward_quantized(x, x, x, "e3m4")
+
+
+@needs_kernels
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_silu_mul_backward_hands_gate_and_up_their_dy(checkpointing, gpu_casts, monkeypatch):
+    """A jet model's forward and backward with the SiLU-mul's backward quantizing gate's and up's dy
+    (`quantize_dy_in_producers`) gives the bits of each linear quantizing its own dy, and the linears' own Dgrad
+    quantizer runs for 5 of a layer's 7 dys (q, k, v, o, down) where it ran for 7."""
+    import jetrl.linear as linear
+    from test_memory import make_policy, gradients, LAYERS
+    calls = []
+    quantize = linear._quantize
+    def counted(t, recipe, operand, gemm, transposed_layout=False):
+        if (operand, gemm) == ("dy", "dgrad"): calls.append(t.shape)
+        return quantize(t, recipe, operand, gemm, transposed_layout)
+    monkeypatch.setattr(linear, "_quantize", counted)
+    from jetrl.kernels import backward_kernels
+    with backward_kernels(True):                                        # as on a GPU (the interpreter's default: off)
+        monkeypatch.setattr(linear, "quantize_dy_in_producers", True)
+        handed_over = gradients(make_policy("jet", "bfloat16", checkpointing))
+        handed_over_calls = len(calls); calls.clear()
+        monkeypatch.setattr(linear, "quantize_dy_in_producers", False)
+        own = gradients(make_policy("jet", "bfloat16", checkpointing))
+    assert all(torch.equal(a, b) for a, b in zip(handed_over, own))
+    assert len(calls) == 7 * LAYERS and handed_over_calls == 5 * LAYERS, (len(calls), handed_over_calls)
+
+
+@needs_kernels
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, gpu_casts, monkeypatch):
     """A jet model's forward and backward with the norms and the SiLU-mul quantizing for their FP8 linears give the bits
