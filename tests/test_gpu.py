@@ -847,7 +847,7 @@ def test_tiny_qwen2_gradients_with_backward_kernels_on_and_off(monkeypatch):
     from jetrl.policy import token_log_probs
     assert backward_kernels_active("cuda")                            # on by default on a GPU
     calls = []
-    for name, module in (("rms_norm_backward", jetrl.kernels), ("silu_mul_backward", jetrl.kernels)):
+    for name, module in (("rms_norm_backward", jetrl.kernels), ("silu_mul_backward_quantized", jetrl.kernels)):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
     policy = _cuda_policy("bf16", layers=2)
@@ -862,7 +862,7 @@ def test_tiny_qwen2_gradients_with_backward_kernels_on_and_off(monkeypatch):
             logp = token_log_probs(policy.model, ids, mask)
             ((logp * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
         grads[on] = {n: p.grad.float().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
-        if on: assert sorted(set(calls)) == ["rms_norm_backward", "silu_mul_backward"]; calls.clear()
+        if on: assert sorted(set(calls)) == ["rms_norm_backward", "silu_mul_backward_quantized"]; calls.clear()
     assert calls == [] and grads[True].keys() == grads[False].keys() and grads[True]
     worst = max((_norm_relative(grads[True][n], grads[False][n]), n) for n in grads[True])
     assert worst[0] <= BACKWARD_KERNELS_MODEL_GRAD_REL, worst

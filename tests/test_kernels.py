@@ -217,9 +217,9 @@ def test_tiny_qwen2_gradients_same_with_backward_kernels_on_and_off(monkeypatch)
     def counted(name, module):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or kernel(*a, **k))
-    counted("rms_norm_backward", jetrl.kernels); counted("silu_mul_backward", jetrl.kernels)
+    counted("rms_norm_backward", jetrl.kernels); counted("silu_mul_backward_quantized", jetrl.kernels)   # (without a copy)
     on = tiny_qwen2_grads(True, torch.float32)
-    assert sorted(calls) == ["rms_norm_backward"] * 5 + ["silu_mul_backward"] * 2      # 2 x 2 layer norms + the final one
+    assert sorted(calls) == ["rms_norm_backward"] * 5 + ["silu_mul_backward_quantized"] * 2   # 2 x 2 layer norms + the final one
     calls.clear()
     off = tiny_qwen2_grads(False, torch.float32)
     assert calls == [] and on.keys() == off.keys()
