@@ -235,15 +235,16 @@ def _kernels():
             tl.store(partial_ptr + pid * H + cols, dw, mask=ok)
 
     @triton.jit
-    def store_groups_fp8(d, offsets, n, q_ptr, scale_ptr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+    def store_groups_fp8(d, start, n, q_ptr, scale_ptr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
                          BLOCK: tl.constexpr, G: tl.constexpr):
-        # a flat block of a gradient whose rows are whole 1xG groups (N % G == 0): its FP8 copy in quantize_1x128's
-        # groups, the codes at the same offsets, a scale per group at offset // G (elementwise values: the reshape
-        # cannot change a bit of them, and a max is the same in any order)
-        at = tl.reshape(offsets, (BLOCK // G, G))
+        # the flat block at `start` of a gradient whose rows are whole 1xG groups (N % G == 0): its FP8 copy in
+        # quantize_1x128's groups, the codes at the same offsets, a scale per group at offset // G. The values are
+        # elementwise (the reshape cannot change a bit of them) and a max is the same in any order; the offsets are
+        # made 2-D from the start (not reshaped), so the stores stay contiguous runs
+        first = start + tl.arange(0, BLOCK // G) * G
+        at = first[:, None] + tl.arange(0, G)[None, :]
         q, scale = quantize_groups(tl.reshape(d, (BLOCK // G, G)), FP8_MAX, TINY)
         tl.store(q_ptr + at, q.to(q_ptr.dtype.element_ty), mask=at < n)
-        first = tl.min(at, axis=1)
         tl.store(scale_ptr + first // G, scale, mask=first < n)
 
     globals().update(store_groups_fp8=store_groups_fp8)
@@ -266,12 +267,12 @@ def _kernels():
         if HAS_D_UP:
             d_up = (d * (g * s)).to(d_up_ptr.dtype.element_ty)
             tl.store(d_up_ptr + offsets, d_up, mask=ok)
-            if QUANTIZE: store_groups_fp8(d_up.to(tl.float32), offsets, n, q_up_ptr, s_up_ptr, FP8_MAX, TINY, BLOCK, G)
+            if QUANTIZE: store_groups_fp8(d_up.to(tl.float32), start, n, q_up_ptr, s_up_ptr, FP8_MAX, TINY, BLOCK, G)
         if HAS_D_GATE:
             u = tl.load(up_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
             d_gate = (d * u * s * (1 + g * (1 - s))).to(d_gate_ptr.dtype.element_ty)
             tl.store(d_gate_ptr + offsets, d_gate, mask=ok)
-            if QUANTIZE: store_groups_fp8(d_gate.to(tl.float32), offsets, n, q_gate_ptr, s_gate_ptr, FP8_MAX, TINY, BLOCK, G)
+            if QUANTIZE: store_groups_fp8(d_gate.to(tl.float32), start, n, q_gate_ptr, s_gate_ptr, FP8_MAX, TINY, BLOCK, G)
 
     @triton.jit
     def attention(q_ptr, k_ptr, v_ptr, o_ptr, q_col_ptr, valid_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
@@ -748,10 +749,11 @@ def _silu_mul_backward_op(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Ten
     n = gate.numel()
     d_gate = torch.empty_like(gate) if need_d_gate else gate.new_empty(0)
     d_up = torch.empty_like(up) if need_d_up else up.new_empty(0)
-    rows, N = n // max(gate.shape[-1], 1), gate.shape[-1]
-    no_copy = (gate.new_empty(0, dtype=torch.float8_e4m3fn), gate.new_empty(0, dtype=torch.float32))
-    q_gate, s_gate = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_gate else no_copy
-    q_up, s_up = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_up else no_copy
+    N = gate.shape[-1] if gate.dim() else 1
+    rows = n // max(N, 1)
+    no_copy = lambda: (gate.new_empty(0, dtype=torch.float8_e4m3fn), gate.new_empty(0, dtype=torch.float32))  # fresh: a custom op's outputs may not alias
+    q_gate, s_gate = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_gate else no_copy()
+    q_up, s_up = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_up else no_copy()
     if n and (need_d_gate or need_d_up):
         _kernels()["silu_mul_backward"][(math.ceil(n / SILU_BLOCK),)](
             gate, up, d_out, d_gate, d_up, q_gate, s_gate, q_up, s_up, n, HAS_D_GATE=need_d_gate, HAS_D_UP=need_d_up,
@@ -762,7 +764,8 @@ def _silu_mul_backward_op(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Ten
 
 @_silu_mul_backward_op.register_fake
 def _(gate, up, d_out, need_d_gate, need_d_up, grad_fmt):
-    rows, N = gate.numel() // max(gate.shape[-1], 1), gate.shape[-1]
+    N = gate.shape[-1] if gate.dim() else 1
+    rows = gate.numel() // max(N, 1)
     def copy(need):
         if grad_fmt is None or not need: return gate.new_empty(0, dtype=torch.float8_e4m3fn), gate.new_empty(0, dtype=torch.float32)
         return gate.new_empty((rows, N), dtype=fp8_dtype(grad_fmt)), gate.new_empty((rows, math.ceil(N / KERNEL_BLOCK)), dtype=torch.float32)
@@ -1138,7 +1141,9 @@ def _entropy_kernel():
             alpha = tl.exp(m - shift)
             e = tl.exp(z - shift)
             # w rescaled to the new max before s is (it needs the old s); -inf columns (masked or padding) add 0, not NaN
-            w = tl.where(s > 0, (w + (m - shift) * s) * alpha, 0.0) + tl.sum(tl.where(e > 0, e * (z - shift), 0.0), axis=0)
+            # (alpha = 0: nothing before, or a max so far above it that exp underflows; then (m - shift) * s may
+            # overflow, and its product with 0 would be NaN)
+            w = tl.where(alpha > 0, (w + (m - shift) * s) * alpha, 0.0) + tl.sum(tl.where(e > 0, e * (z - shift), 0.0), axis=0)
             s = s * alpha + tl.sum(e, axis=0)
             m = m_new
         tl.store(ent_ptr + row, tl.log(s) - w / s)
@@ -1148,7 +1153,7 @@ def _entropy_kernel():
 def entropy_from_log_softmax(logp_all: torch.Tensor) -> torch.Tensor:
     "-(p * log p) summed over the last dimension of a log-softmax; a column of p = 0 (a -inf logit) adds 0, not NaN."
     p_logp = logp_all.exp() * logp_all
-    return -p_logp.masked_fill(logp_all == float("-inf"), 0.0).sum(-1)
+    return -p_logp.masked_fill_(logp_all == float("-inf"), 0.0).sum(-1)     # in place: no second (n, vocab) copy
 
 def _reference_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     "Torch's formula over an fp32 `temperature_log_softmax` of each row: the fallback and the oracle."

@@ -179,7 +179,8 @@ def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     logits = head(hidden)
     if with_entropy and not fused_head_active(logits.device):   # one (n, vocab) log-softmax for both
         logp_all = temperature_log_softmax(logits, temperature)
-        return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy_from_log_softmax(logp_all).detach()
+        with torch.no_grad(): entropy = entropy_from_log_softmax(logp_all)             # a metric: no graph
+        return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
     logp = target_log_probs(logits, targets, temperature)
     if not with_entropy: return logp, None
     with torch.no_grad(): return logp, softmax_entropy(logits, temperature)   # its own kernel with `fused_entropy`

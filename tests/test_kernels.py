@@ -354,6 +354,9 @@ def test_softmax_entropy_kernel_matches_the_formula(dtype, T, monkeypatch):
     assert 0 <= got[1].item() < 0.2                                     # the peaked row (H ~0.1), within ENTROPY_ABS too
     one = softmax_entropy(logits[2:3], T)                               # a row's value alone: the same bits
     assert same_bits(one, got[2:3])
+    if dtype == torch.float32:                                          # a max jump so large that exp underflows
+        huge = torch.tensor([[-2e38] * 5000 + [2e38] * 4000, [-1e35, 1e35] * 4500]).to(DEVICE)   # finite / T
+        assert torch.isfinite(softmax_entropy(huge, T)).all()
 
 
 def test_softmax_entropy_is_torchs_formula_when_off_and_rejects_bad_input(monkeypatch):
@@ -529,6 +532,8 @@ def test_silu_mul_backward_writes_dgrads_fp8_copies(shape, dtype, grad_fmt, gpu_
     only_up = silu_mul_backward_quantized(gate, up, d_out, grad_fmt, need_d_gate=False)
     assert only_up[0] is None and only_up[2][0] is None and same_bits(only_up[1], d_up)
     assert_same_fp8_copy(only_up[2][1], d_up, grad_fmt)
+    for need in ((True, True), (True, False), (False, True)):        # through the dispatcher (torch.compile's way):
+        torch.ops.jetrl.silu_mul_backward(gate, up, d_out, *need, None)   # outputs that alias each other would raise
 
 
 def test_silu_mul_backward_copies_need_whole_groups():
