@@ -543,29 +543,37 @@ def test_silu_mul_backward_copies_need_whole_groups():
     with pytest.raises(ValueError): silu_mul_backward_quantized(x, x, x, "e3m4")
 
 
+def handover_on_and_off(monkeypatch, switch: str, counted_call: tuple, checkpointing: bool) -> tuple[int, int]:
+    """A 2-layer jet model's forward and backward with the handover `switch` of jetrl.linear on, then off: the gradients
+    must be the same bits; returns the linears' own `_quantize` calls of `counted_call` (operand, gemm) in each run."""
+    import jetrl.linear as linear
+    from test_memory import make_policy, gradients
+    calls = []
+    quantize = linear._quantize
+    def counted(t, recipe, operand, gemm, transposed_layout=False):
+        if (operand, gemm) == counted_call: calls.append(t.shape)
+        return quantize(t, recipe, operand, gemm, transposed_layout)
+    monkeypatch.setattr(linear, "_quantize", counted)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(linear, switch, on)
+        calls.clear()
+        runs[on] = gradients(make_policy("jet", "bfloat16", checkpointing)), len(calls)
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0]))
+    return runs[True][1], runs[False][1]
+
+
 @needs_kernels
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_silu_mul_backward_hands_gate_and_up_their_dy(checkpointing, gpu_casts, monkeypatch):
     """A jet model's forward and backward with the SiLU-mul's backward quantizing gate's and up's dy
     (`quantize_dy_in_producers`) gives the bits of each linear quantizing its own dy, and the linears' own Dgrad
     quantizer runs for 5 of a layer's 7 dys (q, k, v, o, down) where it ran for 7."""
-    import jetrl.linear as linear
-    from test_memory import make_policy, gradients, LAYERS
-    calls = []
-    quantize = linear._quantize
-    def counted(t, recipe, operand, gemm, transposed_layout=False):
-        if (operand, gemm) == ("dy", "dgrad"): calls.append(t.shape)
-        return quantize(t, recipe, operand, gemm, transposed_layout)
-    monkeypatch.setattr(linear, "_quantize", counted)
+    from test_memory import LAYERS
     from jetrl.kernels import backward_kernels
     with backward_kernels(True):                                        # as on a GPU (the interpreter's default: off)
-        monkeypatch.setattr(linear, "quantize_dy_in_producers", True)
-        handed_over = gradients(make_policy("jet", "bfloat16", checkpointing))
-        handed_over_calls = len(calls); calls.clear()
-        monkeypatch.setattr(linear, "quantize_dy_in_producers", False)
-        own = gradients(make_policy("jet", "bfloat16", checkpointing))
-    assert all(torch.equal(a, b) for a, b in zip(handed_over, own))
-    assert len(calls) == 7 * LAYERS and handed_over_calls == 5 * LAYERS, (len(calls), handed_over_calls)
+        handed_over, own = handover_on_and_off(monkeypatch, "quantize_dy_in_producers", ("dy", "dgrad"), checkpointing)
+    assert (handed_over, own) == (5 * LAYERS, 7 * LAYERS)
 
 
 @needs_kernels
@@ -575,22 +583,11 @@ def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, gpu
     of the linears quantizing themselves (`quantize_in_producers = False`), and the linears' own quantizer runs only for
     the inputs no producer of jetrl's makes (attention's output, for o_proj): one call per layer where it ran four."""
     import jetrl.linear as linear
-    from test_memory import make_policy, gradients, LAYERS
-    calls = []
-    quantize = linear._quantize
-    def counted(t, recipe, operand, gemm, transposed_layout=False):
-        if operand == "x" and gemm == "fprop": calls.append(t.shape)
-        return quantize(t, recipe, operand, gemm, transposed_layout)
-    monkeypatch.setattr(linear, "_quantize", counted)
+    from test_memory import LAYERS
     monkeypatch.setattr(linear, "PRODUCER_MAX_DECODE_ROWS", 0)   # this batch's few rows quantized in the producers too
-    monkeypatch.setattr(linear, "quantize_in_producers", True)
-    handed_over = gradients(make_policy("jet", "bfloat16", checkpointing))
-    handed_over_calls = len(calls); calls.clear()
-    monkeypatch.setattr(linear, "quantize_in_producers", False)
-    own = gradients(make_policy("jet", "bfloat16", checkpointing))
-    assert all(torch.equal(a, b) for a, b in zip(handed_over, own))
+    handed_over, own = handover_on_and_off(monkeypatch, "quantize_in_producers", ("x", "fprop"), checkpointing)
     forwards = 2 if checkpointing else 1                     # a checkpointed layer runs its forward again in backward
-    assert handed_over_calls == LAYERS * forwards and len(calls) == 4 * LAYERS * forwards
+    assert (handed_over, own) == (LAYERS * forwards, 4 * LAYERS * forwards)
 
 
 # ---- the rotary embedding in one kernel ----
