@@ -891,11 +891,18 @@ class InvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor: return linear_invariant(x, self.weight, self.bias)
 
 # %% ../nbs/00a_kernels.ipynb #0d3ccd83
+def _capturing(t: torch.Tensor) -> bool: return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+def _no_sharing(t: torch.Tensor) -> bool:
+    """No FP8 copy is kept on `t` for a later kernel: traced (torch.compile: an attribute would be a side effect out of
+    the graph) or an inference tensor (no version counter). Kept copies also record `_capturing(t)`: one made outside a
+    CUDA graph's capture is never used inside it, nor the other way round."""
+    return torch.compiler.is_compiling() or t.is_inference() or torch.is_inference_mode_enabled()
+
 def hand_over_grad_fp8(grad: torch.Tensor, grad_fp8: FP8Tensor):
     """Keep `grad_fp8` (grad's 1x128 FP8 copy, (rows, N)) on the gradient tensor itself, for the FP8 linear whose
     backward receives it as dy (`jetrl.linear` checks version, format and shape before it takes it). Eager only."""
-    if torch.compiler.is_compiling() or grad.is_inference(): return
-    grad._jetrl_grad_fp8 = (grad._version, grad.is_cuda and torch.cuda.is_current_stream_capturing(), grad_fp8)
+    if not _no_sharing(grad): grad._jetrl_grad_fp8 = (grad._version, _capturing(grad), grad_fp8)
 
 class _SiLUMulFunction(torch.autograd.Function):
     """silu(gate) * up that keeps only gate and up for backward, where silu(gate) is recomputed: by one Triton kernel

@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
                        KERNEL_BLOCK, has_fp8_kernel, kernel_layout)
-from .kernels import quantize_1x128, fp8_gemm_invariant, invariant_kernels_available, linear_invariant, DECODE_MAX_ROWS
+from .kernels import (quantize_1x128, fp8_gemm_invariant, invariant_kernels_available, linear_invariant,
+                           DECODE_MAX_ROWS, _capturing, _no_sharing)
 import jetrl.grad_kernels as grad_kernels
 from .grad_kernels import HP_DTYPES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers_active
 
@@ -122,12 +123,6 @@ def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, reci
 
 def _input_quantizer(recipe: FP8Recipe) -> tuple: return recipe.block("x", "fprop"), recipe.act_fmt, recipe.pow2_scale
 
-def _capturing(x: torch.Tensor) -> bool: return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-def _no_sharing(x: torch.Tensor) -> bool:
-    "Traced (torch.compile: an attribute would be a side effect out of the graph) or an inference tensor (no version)."
-    return torch.compiler.is_compiling() or x.is_inference() or torch.is_inference_mode_enabled()
-
 def _shared_input_fp8(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor | None:
     """The FP8 copy of x kept on x itself (by an FP8 linear's Fprop that read it, or handed over by x's producer), if x
     is unchanged since and the quantizer is the same: q/k/v (and gate/up) read one input, so it is quantized once and
@@ -145,6 +140,13 @@ def _remember_input_fp8(x: torch.Tensor, recipe: FP8Recipe, x_fp8: FP8Tensor):
     "Keep `x_fp8` on x for the next FP8 linear that reads x (see `_shared_input_fp8`)."
     if not _no_sharing(x): x._jetrl_input_fp8 = (x._version, _input_quantizer(recipe), _capturing(x), x_fp8)
 
+def _fprop_sharing_input(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
+                         w_kernel_scale: torch.Tensor | None = None):
+    "`fp8_fprop` with x's FP8 copy kept on x where there is one (a sibling's or the producer's), keeping the one it used."
+    y, x_fp8 = fp8_fprop(x, w_fp8, bias, recipe, w_kernel_scale, _shared_input_fp8(x, recipe))
+    _remember_input_fp8(x, recipe, x_fp8)
+    return y, x_fp8
+
 # Producers of an FP8 linear's input (jetrl's RMSNorm and SiLU-mul kernels) quantize it in their own kernel and hand the
 # copy over (False: the linears quantize it themselves, as before; to compare).
 quantize_in_producers = True
@@ -154,6 +156,12 @@ quantize_in_producers = True
 # 2.2 + 2.3 us for the plain norm and `quantize_1x128`. Inputs of at most this many rows are quantized by the linears.
 PRODUCER_MAX_DECODE_ROWS = DECODE_MAX_ROWS
 
+def _fp8_recipes(linears: "list[nn.Module | None]", gemm: str) -> list[FP8Recipe] | None:
+    "The recipes of `linears` if every one is there and an FP8 linear whose `gemm` runs in FP8, else None."
+    if not linears or any(m is None for m in linears): return None
+    recipes = [getattr(m, "recipe", None) for m in linears]
+    return None if any(r is None or not r.quantizes or not r.is_fp8(gemm) for r in recipes) else recipes
+
 def producer_quantizer(linears: "list[nn.Module | None]", rows: int | None = None) -> FP8Recipe | None:
     """The recipe whose input quantizer the producer of these linears' one input may run for them: every linear is an
     FP8 linear whose Fprop quantizes x in 1x128 groups (`quantize_1x128`'s bytes), all with the same quantizer.
@@ -161,10 +169,8 @@ def producer_quantizer(linears: "list[nn.Module | None]", rows: int | None = Non
     kept), or for an input of `rows` <= `PRODUCER_MAX_DECODE_ROWS` (decode): the linears quantize their input themselves."""
     if not quantize_in_producers or torch.compiler.is_compiling() or torch.is_inference_mode_enabled(): return None
     if rows is not None and rows <= PRODUCER_MAX_DECODE_ROWS: return None
-    if not linears or any(m is None for m in linears): return None
-    recipes = [getattr(m, "recipe", None) for m in linears]
-    if any(r is None or not r.quantizes or not r.is_fp8("fprop") for r in recipes): return None
-    if len({_input_quantizer(r) for r in recipes}) != 1: return None
+    recipes = _fp8_recipes(linears, "fprop")
+    if recipes is None or len({_input_quantizer(r) for r in recipes}) != 1: return None
     first = recipes[0]
     return first if first.block("x", "fprop") == (1, KERNEL_BLOCK) and not first.pow2_scale else None
 
@@ -190,10 +196,8 @@ def dy_producer_format(linears: "list[nn.Module | None]") -> str | None:
     linear an FP8 linear whose Dgrad reads dy in 1x128 groups (not rounded to powers of two), all in one format. None
     otherwise, with `quantize_dy_in_producers` off, without grad or under torch.compile."""
     if not quantize_dy_in_producers or not torch.is_grad_enabled() or torch.compiler.is_compiling(): return None
-    if not linears or any(m is None for m in linears): return None
-    recipes = [getattr(m, "recipe", None) for m in linears]
-    if any(r is None or not r.quantizes or not r.is_fp8("dgrad") or r.block("dy", "dgrad") != (1, KERNEL_BLOCK)
-           or r.pow2_scale for r in recipes): return None
+    recipes = _fp8_recipes(linears, "dgrad")
+    if recipes is None or any(r.block("dy", "dgrad") != (1, KERNEL_BLOCK) or r.pow2_scale for r in recipes): return None
     formats = {r.grad_fmt for r in recipes}
     return formats.pop() if len(formats) == 1 else None
 
@@ -216,7 +220,7 @@ def _dgrad_weight(w_fp8: FP8Tensor) -> FP8Tensor:
     the copy is made in the graph, so that every replay makes it again from the bytes of the moment (a cached copy, freed
     or rewritten after the capture, would be read stale); in a compiled graph too (an attribute set while tracing is
     not set again by the compiled code)."""
-    if torch.compiler.is_compiling() or (w_fp8.data.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling() or _capturing(w_fp8.data):
         return w_fp8._replace(data=w_fp8.data.t().contiguous().t())   # traced (compiled) or captured: made in the graph
     cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
     if cached is None or cached[0] != w_fp8.data._version:
@@ -264,8 +268,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.w_fp8 = None
         if recipe.is_fp8("fprop"):
             w_fp8 = w_fp8 if w_fp8 is not None else quantize_weight(hp_weight, recipe)
-            y, x_fp8 = fp8_fprop(x, w_fp8, bias, recipe, w_kernel_scale, _shared_input_fp8(x, recipe))
-            _remember_input_fp8(x, recipe, x_fp8)
+            y, x_fp8 = _fprop_sharing_input(x, w_fp8, bias, recipe, w_kernel_scale)
             if ctx.needs_input_grad[1] and recipe.is_fp8("wgrad"): _count_wgrad_reader(x_fp8.data)
             ctx.save_for_backward(x_fp8.data, x_fp8.scale, hp_weight)
             ctx.x_block, ctx.x_fmt = x_fp8.block, x_fp8.fmt
@@ -425,9 +428,7 @@ class FP8Linear(nn.Linear):
             # a stale cache is refreshed (in place), not bypassed: no-grad passes after an update (the trainer's new
             # log-probs, micro-batch by micro-batch) then quantize each weight once, not once per call
             w_fp8, w_kernel_scale = self._current_fp8_weight()
-            y, x_fp8 = fp8_fprop(x, w_fp8, self.bias, self.recipe, w_kernel_scale, _shared_input_fp8(x, self.recipe))
-            _remember_input_fp8(x, self.recipe, x_fp8)                   # q/k/v (gate/up): one quantization of x
-            return y
+            return _fprop_sharing_input(x, w_fp8, self.bias, self.recipe, w_kernel_scale)[0]   # q/k/v (gate/up): x once
         # training: the weight is quantized once per update, not once per micro-batch (the sync cache, refreshed in place).
         # Compiled on a GPU, it is quantized inside the graph instead (the same bytes): the cache's version check would
         # break the graph at every layer, and a graph break costs more than the fused pass over the weight
@@ -511,10 +512,7 @@ class FP8InferenceLinear(nn.Module):
         if bias is not None: self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, x_fp8 = fp8_fprop(x, self.fp8_weight(), self.bias, self.recipe, self.weight_scale_kernel,
-                             _shared_input_fp8(x, self.recipe))
-        _remember_input_fp8(x, self.recipe, x_fp8)
-        return y
+        return _fprop_sharing_input(x, self.fp8_weight(), self.bias, self.recipe, self.weight_scale_kernel)[0]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}, weight=FP8 only"
