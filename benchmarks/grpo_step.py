@@ -111,23 +111,23 @@ def main(argv=None):
     p.add_argument("--no-rotary-kernel", action="store_true",
                    help="the rotary embedding and its gradient by torch's ops, not by jetrl's kernel "
                         "(jetrl.kernels.rotary_kernel = False; to compare)")
-    p.add_argument("--dy-producer-quant", action="store_true",
-                   help="the SiLU-mul's backward kernel also writes gate's and up's dy FP8 copies for their Dgrad "
-                        "(jetrl.linear.quantize_dy_in_producers; prepared in session 11, off by default)")
+    p.add_argument("--no-dy-producer-quant", action="store_true",
+                   help="gate and up quantize their own dy for Dgrad, not the SiLU-mul's backward kernel "
+                        "(jetrl.linear.quantize_dy_in_producers = False; to compare)")
     p.add_argument("--entropy", action="store_true",
                    help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
                         "top-entropy mask)")
-    p.add_argument("--fused-entropy", action="store_true",
-                   help="--entropy: by jetrl.kernels.softmax_entropy's kernel (jetrl.kernels.fused_entropy; prepared in "
-                        "session 11, off by default) rather than torch's formula")
+    p.add_argument("--no-fused-entropy", action="store_true",
+                   help="--entropy: by torch's formula rather than jetrl.kernels.softmax_entropy's kernel "
+                        "(jetrl.kernels.fused_entropy = False; to compare)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
     args = p.parse_args(argv)
     if args.cuda_graphs and args.distributed:
         p.error("--cuda-graphs replays kernels, not FSDP's hooks: run it without --distributed")
-    if args.fused_entropy and not args.entropy:
-        p.error("--fused-entropy times the entropy's kernel: add --entropy (the old log-probs with the entropy)")
+    if args.no_fused_entropy and not args.entropy:
+        p.error("--no-fused-entropy times torch's entropy formula: add --entropy (the old log-probs with the entropy)")
     if args.no_fused_grad:
         from jetrl.grad_kernels import fused_grad_quantizers
         fused_grad_quantizers(False).__enter__()                     # for the whole process
@@ -135,11 +135,11 @@ def main(argv=None):
     jetrl.kernels.cublas_when_same_bits = not args.no_cublas_fprop
     jetrl.kernels.cublas_at_decode = args.cublas_decode
     jetrl.kernels.rotary_kernel = not args.no_rotary_kernel
-    jetrl.kernels.fused_entropy = args.fused_entropy
+    jetrl.kernels.fused_entropy = not args.no_fused_entropy
     import jetrl.policy, jetrl.linear
     jetrl.policy.fused_head_log_probs = args.fused_head
     jetrl.linear.quantize_in_producers = not args.no_producer_quant
-    jetrl.linear.quantize_dy_in_producers = args.dy_producer_quant
+    jetrl.linear.quantize_dy_in_producers = not args.no_dy_producer_quant
     world = None
     if args.distributed:
         from jetrl.distributed import init_world, shard_policy, sync_rollout_weights, rank_block
@@ -184,7 +184,7 @@ def main(argv=None):
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
                         fused_head=jetrl.policy.fused_head_active(device), producer_quant=jetrl.linear.quantize_in_producers,
-                        rotary_kernel=jetrl.kernels.rotary_kernel, entropy=args.entropy, fused_entropy=args.fused_entropy,
+                        rotary_kernel=jetrl.kernels.rotary_kernel, entropy=args.entropy, fused_entropy=jetrl.kernels.fused_entropy,
                         dy_producer_quant=jetrl.linear.quantize_dy_in_producers,
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel

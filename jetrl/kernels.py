@@ -1122,7 +1122,7 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperatu
     return _SelectiveLogSoftmax.apply(logits, targets, float(temperature))
 
 # %% ../nbs/00a_kernels.ipynb #b07cb311
-fused_entropy = False      # True: `softmax_entropy` by its Triton kernel where Triton runs (prepared, not yet run on a GPU)
+fused_entropy = True       # `softmax_entropy` by its Triton kernel where Triton runs; False: torch's formula
 
 @functools.cache
 def _entropy_kernel():

@@ -360,8 +360,9 @@ def test_softmax_entropy_kernel_matches_the_formula(dtype, T, monkeypatch):
 
 
 def test_softmax_entropy_is_torchs_formula_when_off_and_rejects_bad_input(monkeypatch):
-    "Off (the default until a GPU has run it): the formula itself; -inf columns give 0, not NaN; bad input: clear errors."
-    assert jetrl.kernels.fused_entropy is False
+    "Off (and wherever Triton does not run): the formula itself; -inf columns give 0, not NaN; bad input: clear errors."
+    assert jetrl.kernels.fused_entropy is True                          # the default: the kernel where Triton runs
+    monkeypatch.setattr(jetrl.kernels, "fused_entropy", False)
     logits, _ = selective_inputs(4, V=300, dtype=torch.float32)
     logits[0, 10:] = float("-inf")
     got = softmax_entropy(logits, 0.7)
