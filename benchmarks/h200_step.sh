@@ -2,11 +2,10 @@
 # Issue 11's check on one H200, in one device call (~9 minutes): the GPU tests first (kernels against the CPU oracle
 # and against each other, cuBLAS against the batch-invariant kernel bit for bit and its speed bound, the engine ==
 # trainer tests, the graphed trainer and train(cuda_graphs)), then the headline GRPO step side by side (bf16 and jet,
-# the GPU's defaults) at the 7B shape, again with the old log-probs' entropy as jetrl.train computes it (--entropy: by
-# torch's formula, then by the prepared kernel, --fused-entropy, off by default until measured). Worst case 570 s, inside
-# a device call's 600. The 0.5B step with the trainer's log-probs from CUDA graphs, and the prepared dy copies
-# (--dy-producer-quant), in a call of their own:
-#   $STEP --model qwen2-0.5b --cuda-graphs [--dy-producer-quant]; $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing --dy-producer-quant
+# the GPU's defaults) at the 7B shape, again with the old log-probs' entropy as jetrl.train computes it (--entropy, by
+# the entropy kernel), and the 0.5B step with the trainer's log-probs from CUDA graphs. Worst case 570 s, inside a
+# device call's 600. To compare a default against the code it replaced, in a call of its own:
+#   $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing [--entropy --no-fused-entropy | --no-dy-producer-quant]
 # The head's log-prob kernels alone: benchmarks/head_logprobs.py.
 # The 0.5B step without graphs (session 7: 0.65-0.69x) is `$STEP --model qwen2-0.5b`.
 # Results into $OUT (default benchmarks/results). From the repository root on the GPU machine:
@@ -22,6 +21,6 @@ timeout 270 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test
 tail -5 "$OUT/test_gpu_step.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | cut -c1-200
 STEP="python benchmarks/grpo_step.py --strategies bf16,jet --out $OUT/grpo_step_h200.jsonl"
-timeout 100 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing 2>&1 | grep "^{" | cut -c1-260
-timeout 100 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing --entropy 2>&1 | grep "^{" | cut -c1-260
-timeout 100 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing --entropy --fused-entropy 2>&1 | grep "^{" | cut -c1-260
+timeout 110 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing 2>&1 | grep "^{" | cut -c1-260
+timeout 80 $STEP --model qwen2-0.5b --cuda-graphs 2>&1 | grep "^{" | cut -c1-260
+timeout 110 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing --entropy 2>&1 | grep "^{" | cut -c1-260
