@@ -114,6 +114,9 @@ def main(argv=None):
     p.add_argument("--no-dy-producer-quant", action="store_true",
                    help="gate and up quantize their own dy for Dgrad, not the SiLU-mul's backward kernel "
                         "(jetrl.linear.quantize_dy_in_producers = False; to compare)")
+    p.add_argument("--gluon-decode", action="store_true",
+                   help="decode's FP8 GEMMs by the overlapped Gluon kernel (jetrl.kernels.gluon_decode; prepared in "
+                        "session 12, off by default): the same bits, block k+1's product running while block k is added")
     p.add_argument("--entropy", action="store_true",
                    help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
                         "top-entropy mask)")
@@ -136,6 +139,7 @@ def main(argv=None):
     jetrl.kernels.cublas_at_decode = args.cublas_decode
     jetrl.kernels.rotary_kernel = not args.no_rotary_kernel
     jetrl.kernels.fused_entropy = not args.no_fused_entropy
+    jetrl.kernels.gluon_decode = args.gluon_decode
     import jetrl.policy, jetrl.linear
     jetrl.policy.fused_head_log_probs = args.fused_head
     jetrl.linear.quantize_in_producers = not args.no_producer_quant
@@ -185,7 +189,7 @@ def main(argv=None):
                         trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
                         fused_head=jetrl.policy.fused_head_active(device), producer_quant=jetrl.linear.quantize_in_producers,
                         rotary_kernel=jetrl.kernels.rotary_kernel, entropy=args.entropy, fused_entropy=jetrl.kernels.fused_entropy,
-                        dy_producer_quant=jetrl.linear.quantize_dy_in_producers,
+                        dy_producer_quant=jetrl.linear.quantize_dy_in_producers, gluon_decode=jetrl.kernels.gluon_decode,
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

@@ -6,7 +6,7 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT',
-           'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS',
+           'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'gluon_decode', 'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS',
            'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits',
            'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP',
            'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'fused_entropy',
@@ -452,6 +452,10 @@ def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[in
         num_warps=warps, num_stages=stages)
     return out
 
+# Decode GEMMs by the overlapped Gluon kernel (`jetrl.gluon_kernels`): the same bits, block k + 1's product running
+# while block k is added. Prepared in session 12 without GPU time to measure it: off until an H200 has run it.
+gluon_decode = False
+
 @eager_custom_op("jetrl::fp8_gemm_invariant", mutates_args=())
 def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
                            bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -463,6 +467,10 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
         if out is not None: return out
     out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
     if M == 0 or N == 0: return out
+    if gluon_decode and M <= DECODE_MAX_ROWS:
+        from jetrl.gluon_kernels import gluon_decode_possible, launch_decode_overlapped
+        if gluon_decode_possible(a_data, w_data, out):
+            return launch_decode_overlapped(a_data, a_scale, w_data, w_scale, bias, out)
     return launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, fp8_gemm_tiles(M, N, K))
 
 @_fp8_gemm_invariant_op.register_fake
