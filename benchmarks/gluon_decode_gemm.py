@@ -30,7 +30,8 @@ SHAPES = {   # (rows, {linear: (N, K)}) of the rollout's fused decode GEMMs
     "qwen2-7b": (128, {"qkv": (4608, 3584), "o": (3584, 3584), "gate+up": (37888, 3584), "down": (3584, 18944)}),
     "qwen2-0.5b": (256, {"qkv": (1152, 896), "o": (896, 896), "gate+up": (9728, 896), "down": (896, 4864)}),
 }
-CANDIDATES = [(64, 4), (64, 6), (32, 4), (32, 6), (128, 4), (16, 6)]   # (BLOCK_N, stages); tiles of 64 rows
+CANDIDATES = [(64, 4), (64, 6), (32, 4), (32, 6), (16, 6)]   # (BLOCK_N, stages); tiles of 64 rows
+LONG_K_CANDIDATES = [(64, 6), (32, 6)]   # past 8,192 (the 7B down projection): each build unrolls 148 blocks (~20 s)
 
 
 def main(argv=None):
@@ -57,7 +58,7 @@ def main(argv=None):
             print(f"{model} {name}: jetrl's kernel {triton_us:.2f} us; the candidates ...", flush=True)   # a hang shows here
             row = {"model": model, "linear": name, "M": M, "N": N, "K": K, "triton_tile": str(tiles),
                    "triton_us": round(triton_us, 2), "candidates": {}}
-            for block_n, stages in CANDIDATES:
+            for block_n, stages in (LONG_K_CANDIDATES if K > 8192 else CANDIDATES):
                 key = f"({block_n}, {stages})"
                 out = torch.empty_like(reference)
                 try:

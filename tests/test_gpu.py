@@ -1120,7 +1120,8 @@ def test_gluon_decode_gemm_gives_the_triton_kernels_bits(M, K, N):
         for bias in (None, torch.randn(N, device="cuda", dtype=torch.bfloat16)):
             want = launch_fp8_gemm(x.data, x.scale, w.data, w_scale, bias, torch.empty(M, N, device="cuda",
                                    dtype=torch.bfloat16), fp8_gemm_tiles(M, N, K))
-            for block_n, stages in [(None, 6), (16, 2), (32, 4), (64, 6), (128, 3)]:
+            tiles = [(None, 6)] if K > 8192 else [(None, 6), (16, 2), (32, 4), (64, 3)]   # 148 blocks: ~20 s a build
+            for block_n, stages in tiles:
                 got = launch_decode_overlapped(x.data, x.scale, w.data, w_scale, bias,
                                                torch.empty(M, N, device="cuda", dtype=torch.bfloat16), block_n, stages)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
