@@ -30,8 +30,8 @@ SHAPES = {   # (rows, {linear: (N, K)}) of the rollout's fused decode GEMMs
     "qwen2-7b": (128, {"qkv": (4608, 3584), "o": (3584, 3584), "gate+up": (37888, 3584), "down": (3584, 18944)}),
     "qwen2-0.5b": (256, {"qkv": (1152, 896), "o": (896, 896), "gate+up": (9728, 896), "down": (896, 4864)}),
 }
-CANDIDATES = [(64, 4), (64, 6), (32, 4), (32, 6), (16, 6)]   # (BLOCK_N, stages); tiles of 64 rows
-LONG_K_CANDIDATES = [(64, 6), (32, 6)]   # past 8,192 (the 7B down projection): each build unrolls 148 blocks (~20 s)
+CANDIDATES = [(32, 4), (32, 6), (16, 4), (16, 6)]   # (BLOCK_N, stages); tiles of 64 rows (64 columns: no registers)
+LONG_K_CANDIDATES = [(32, 6), (16, 6)]   # past 8,192 (the 7B down projection): each build unrolls 148 blocks (~40 s)
 
 
 def main(argv=None):

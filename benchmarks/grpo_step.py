@@ -140,7 +140,7 @@ def main(argv=None):
     jetrl.kernels.rotary_kernel = not args.no_rotary_kernel
     jetrl.kernels.fused_entropy = not args.no_fused_entropy
     jetrl.kernels.gluon_decode = args.gluon_decode
-    import jetrl.policy, jetrl.linear
+    import jetrl.policy, jetrl.linear, jetrl.gluon_kernels
     jetrl.policy.fused_head_log_probs = args.fused_head
     jetrl.linear.quantize_in_producers = not args.no_producer_quant
     jetrl.linear.quantize_dy_in_producers = not args.no_dy_producer_quant
@@ -190,6 +190,7 @@ def main(argv=None):
                         fused_head=jetrl.policy.fused_head_active(device), producer_quant=jetrl.linear.quantize_in_producers,
                         rotary_kernel=jetrl.kernels.rotary_kernel, entropy=args.entropy, fused_entropy=jetrl.kernels.fused_entropy,
                         dy_producer_quant=jetrl.linear.quantize_dy_in_producers, gluon_decode=jetrl.kernels.gluon_decode,
+                        gluon_decode_launches=jetrl.gluon_kernels.launches,
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

@@ -452,8 +452,9 @@ def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[in
         num_warps=warps, num_stages=stages)
     return out
 
-# Decode GEMMs by the overlapped Gluon kernel (`jetrl.gluon_kernels`): the same bits, block k + 1's product running
-# while block k is added. Prepared in session 12 without GPU time to measure it: off until an H200 has run it.
+# GEMMs of at most DECODE_MAX_ROWS rows (decode; any GEMM that small) by the overlapped Gluon kernel
+# (`jetrl.gluon_kernels`): the same bits, block k + 1's product running while block k is added; before cuBLAS at decode.
+# Prepared in session 12 without GPU time to measure it: off until an H200 has run it.
 gluon_decode = False
 
 @eager_custom_op("jetrl::fp8_gemm_invariant", mutates_args=())
@@ -462,12 +463,13 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
     (M, K), N = a_data.shape, w_data.shape[0]
     a_data, a_scale, w_data, w_scale = (t.contiguous() for t in (a_data, a_scale, w_data, w_scale))
     bias = None if bias is None else bias.contiguous()
-    if M and N and K and cublas_may_run(a_data, w_data):          # many rows: cuBLAS, where it was seen to give this kernel's bits
+    overlapped = gluon_decode and M <= DECODE_MAX_ROWS       # decode by the Gluon kernel, not cuBLAS, where it runs
+    if M and N and K and cublas_may_run(a_data, w_data) and not overlapped:   # cuBLAS, where it gave this kernel's bits
         out = cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype)
         if out is not None: return out
     out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
     if M == 0 or N == 0: return out
-    if gluon_decode and M <= DECODE_MAX_ROWS:
+    if overlapped:
         from jetrl.gluon_kernels import gluon_decode_possible, launch_decode_overlapped
         if gluon_decode_possible(a_data, w_data, out):
             return launch_decode_overlapped(a_data, a_scale, w_data, w_scale, bias, out)
