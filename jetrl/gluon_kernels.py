@@ -17,7 +17,7 @@ from .kernels import DECODE_MAX_ROWS, HAS_TRITON, TILE_ROWS, needs_64bit_offsets
 
 # %% ../nbs/00c_gluon_kernels.ipynb #45ba9239
 HOPPER = (9, 0)                 # wgmma is Hopper's (sm_90) instruction: Blackwell has tcgen05 instead
-GLUON_DECODE_STAGES = 6         # K blocks in flight per program (shared memory: 16 KB a stage at 64 x 64 tiles)
+GLUON_DECODE_STAGES = 6         # K blocks loaded ahead per program (shared memory: 12 KB a stage at 64 x 32 tiles)
 GLUON_DECODE_WARPS = 4          # one warp group: tiles of TILE_ROWS rows, one wgmma row block
 
 GLUON_MIN_TRITON = (3, 6)       # the Gluon API this kernel is written and checked against (experimental: it moves)
