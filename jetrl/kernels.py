@@ -56,8 +56,9 @@ def _kernels():
     "Build the Triton kernels once (the first call that needs them)."
     triton, tl = _triton()
     import triton.language.extra.libdevice          # CUDA's own math functions (expf), as tl.extra.libdevice
-    # the kernels' one quantization formula, a module global: Triton's interpreter looks names up there only
-    global quantize_groups
+    # jitted helpers the kernels call (the one quantization formula, its store of a gradient's FP8 copy) are module
+    # globals: Triton's interpreter looks names up there only
+    global quantize_groups, store_groups_fp8
 
     @triton.jit
     def quantize_groups(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
@@ -246,8 +247,6 @@ def _kernels():
         q, scale = quantize_groups(tl.reshape(d, (BLOCK // G, G)), FP8_MAX, TINY)
         tl.store(q_ptr + at, q.to(q_ptr.dtype.element_ty), mask=at < n)
         tl.store(scale_ptr + first // G, scale, mask=first < n)
-
-    globals().update(store_groups_fp8=store_groups_fp8)
 
     @triton.jit
     def silu_mul_backward(gate_ptr, up_ptr, d_out_ptr, d_gate_ptr, d_up_ptr, q_gate_ptr, s_gate_ptr, q_up_ptr, s_up_ptr,
