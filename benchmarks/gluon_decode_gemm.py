@@ -10,28 +10,28 @@ at a time, and a 7B down projection (148 blocks) streams its FP8 weight at ~1.5 
 
 What this tries (`jetrl.gluon_kernels`, `nbs/00c_gluon_kernels.ipynb`). The same products and the same additions in
 the same order, but block k + 1's product is issued before block k's is rescaled and added (`warpgroup_mma(...,
-is_async=True)` then `warpgroup_mma_wait(1)`, in Triton's Gluon), so two blocks are on the tensor cores at once while
-the loads stream through a ring of shared-memory stages (TMA, one mbarrier a stage). Every candidate is checked bit for bit against `jetrl.kernels.launch_fp8_gemm` and
-timed against it inside CUDA graphs (`jetrl.kernels.graph_time_ms`), at the 7B decode shapes (128 rows) and the 0.5B
-ones (256 rows). Written in session 12; not yet measured: its one GPU run (session 12, the device time's last 3
-minutes) hung in the first launch. The cause, found after: the prologue loaded STAGES - 1 blocks while the loop's
-refills start at block STAGES, so block STAGES - 1 was never loaded and its stage's barrier never completed. Fixed
-(the prologue loads STAGES blocks); compiled for sm_90 on the CPU since (`wgmma.wait_group 1` in the loop), not run.
-A hang shows as a shape's first line with nothing after it: run it under `timeout`.
+is_async=True)` then `warpgroup_mma_wait(1)`, in Triton's Gluon), in chunks of `unroll` blocks, while the loads stream
+through a ring of shared-memory stages (TMA, one mbarrier a stage). Every candidate tile (`OverlappedTile`: rows,
+cols, col_groups, unroll, stages) is checked bit for bit against `jetrl.kernels.launch_fp8_gemm` and timed against it
+inside CUDA graphs (`jetrl.kernels.graph_time_ms`), at the 7B decode shapes (128 rows) and the 0.5B ones (256 rows).
+History: session 12's first build (the whole K loop unrolled) was 2x slower than the Triton kernel on the H200
+(session 13, call 1: rows without "tile" keys); the chunked loop replaced it. A hang shows as a shape's first line
+with nothing after it: run it under `timeout`.
 """
 import argparse, json, sys
 
 import torch
 import triton
 
-from jetrl.gluon_kernels import launch_decode_overlapped
+from jetrl.gluon_kernels import OverlappedTile, launch_decode_overlapped
 
 SHAPES = {   # (rows, {linear: (N, K)}) of the rollout's fused decode GEMMs
     "qwen2-7b": (128, {"qkv": (4608, 3584), "o": (3584, 3584), "gate+up": (37888, 3584), "down": (3584, 18944)}),
     "qwen2-0.5b": (256, {"qkv": (1152, 896), "o": (896, 896), "gate+up": (9728, 896), "down": (896, 4864)}),
 }
-CANDIDATES = [(32, 4), (32, 6), (16, 4), (16, 6)]   # (BLOCK_N, stages); tiles of 64 rows (64 columns: no registers)
-LONG_K_CANDIDATES = [(32, 6), (16, 6)]   # past 8,192 (the 7B down projection): each build unrolls 148 blocks (~40 s)
+CANDIDATES = [OverlappedTile(*t) for t in [      # (rows, cols, col_groups, unroll, stages)
+    (64, 16, 1, 4, 6), (64, 32, 1, 4, 6), (64, 32, 1, 8, 8), (64, 64, 1, 4, 6), (64, 64, 2, 4, 6), (64, 64, 2, 8, 8),
+    (128, 32, 1, 4, 6), (128, 64, 1, 4, 6), (128, 64, 1, 8, 8), (128, 64, 1, 2, 4)]]
 
 
 def main(argv=None):
@@ -58,26 +58,27 @@ def main(argv=None):
             print(f"{model} {name}: jetrl's kernel {triton_us:.2f} us; the candidates ...", flush=True)   # a hang shows here
             row = {"model": model, "linear": name, "M": M, "N": N, "K": K, "triton_tile": str(tiles),
                    "triton_us": round(triton_us, 2), "candidates": {}}
-            for block_n, stages in (LONG_K_CANDIDATES if K > 8192 else CANDIDATES):
-                key = f"({block_n}, {stages})"
+            for tile in CANDIDATES:
+                key = str(tuple(tile)) + (" default" if tile == OverlappedTile() else "")
                 out = torch.empty_like(reference)
                 try:
-                    launch_decode_overlapped(x.data, x.scale, w.data, w_scale, None, out, block_n, stages)
+                    launch_decode_overlapped(x.data, x.scale, w.data, w_scale, None, out, tile)
                     torch.cuda.synchronize()
                 except Exception as e:                 # a candidate this GPU or Triton cannot build: say which, go on
                     row["candidates"][key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}; continue
                 same = torch.equal(out.view(torch.int16), reference.view(torch.int16))
                 us = 1e3 * graph_time_ms(lambda: launch_decode_overlapped(x.data, x.scale, w.data, w_scale, None, out,
-                                                                          block_n, stages))
+                                                                          tile))
                 row["candidates"][key] = {"us": round(us, 2), "same_bits": same}
             ok = {k: v["us"] for k, v in row["candidates"].items() if v.get("same_bits")}
             best = min(ok, key=ok.get) if ok else None
             row |= {"best": best, "best_us": ok.get(best), "speedup": round(triton_us / ok[best], 3) if best else None}
             totals.setdefault(model, [0.0, 0.0])
             totals[model][0] += triton_us; totals[model][1] += ok[best] if best else float("nan")
+            ranked = sorted(row["candidates"].items(), key=lambda kv: kv[1].get("us", float("inf")))
             print(f"{model:10s} {name:8s} M={M} N={N:5d} K={K:5d} | jetrl (Triton) {triton_us:7.2f} us | overlapped "
                   + ", ".join(f"{k} {v.get('us', v.get('error', ''))}{'' if v.get('same_bits', True) else ' OTHER BITS'}"
-                              for k, v in row["candidates"].items()), flush=True)
+                              for k, v in ranked), flush=True)
             if args.out:
                 with open(args.out, "a") as f: f.write(json.dumps(row | meta) + "\n")
     for model, (triton_us, best_us) in totals.items():

@@ -114,9 +114,9 @@ def main(argv=None):
     p.add_argument("--no-dy-producer-quant", action="store_true",
                    help="gate and up quantize their own dy for Dgrad, not the SiLU-mul's backward kernel "
                         "(jetrl.linear.quantize_dy_in_producers = False; to compare)")
-    p.add_argument("--gluon-decode", action="store_true",
-                   help="decode's FP8 GEMMs by the overlapped Gluon kernel (jetrl.kernels.gluon_decode; prepared in "
-                        "session 12, off by default): the same bits, block k+1's product running while block k is added")
+    p.add_argument("--no-gluon-decode", dest="gluon_decode", action="store_false",
+                   help="decode's long-K FP8 GEMMs (the down projections) by the Triton kernel, not the overlapped Gluon "
+                        "kernel (jetrl.kernels.gluon_decode, on by default since session 13; the same bits)")
     p.add_argument("--entropy", action="store_true",
                    help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
                         "top-entropy mask)")

@@ -6,19 +6,19 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT',
-           'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'gluon_decode', 'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS',
-           'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits',
-           'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP',
-           'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'fused_entropy',
-           'rotary_kernel', 'ROTARY_BLOCK_T', 'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128',
-           'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm',
-           'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant',
-           'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits',
-           'rms_norm_backward', 'silu_mul_backward', 'silu_mul_backward_quantized', 'backward_kernels',
-           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8',
-           'silu_mul', 'silu_mul_quantized', 'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax',
-           'entropy_from_log_softmax', 'softmax_entropy', 'causal_key_mask', 'attend', 'rotate_half_kernel',
-           'use_invariant_kernels']
+           'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'gluon_decode', 'GLUON_DECODE_MIN_K_PER_N',
+           'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS', 'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT',
+           'cublas_when_same_bits', 'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS',
+           'NORM_VALUES_PER_WARP', 'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS',
+           'LOG_SOFTMAX_DTYPES', 'fused_entropy', 'rotary_kernel', 'ROTARY_BLOCK_T', 'invariant_kernels_available',
+           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
+           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized',
+           'next_power_of_2', 'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits',
+           'fast_if_same_bits', 'cublas_where_same_bits', 'rms_norm_backward', 'silu_mul_backward',
+           'silu_mul_backward_quantized', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm',
+           'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8', 'silu_mul', 'silu_mul_quantized',
+           'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax', 'entropy_from_log_softmax',
+           'softmax_entropy', 'causal_key_mask', 'attend', 'rotate_half_kernel', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -451,10 +451,13 @@ def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[in
         num_warps=warps, num_stages=stages)
     return out
 
-# GEMMs of at most DECODE_MAX_ROWS rows (decode; any GEMM that small) by the overlapped Gluon kernel
-# (`jetrl.gluon_kernels`): the same bits, block k + 1's product running while block k is added; before cuBLAS at decode.
-# Prepared in session 12 without GPU time to measure it: off until an H200 has run it.
-gluon_decode = False
+# Decode GEMMs whose K is long against their width (K >= GLUON_DECODE_MIN_K_PER_N x N: the down projections) by the
+# overlapped Gluon kernel (`jetrl.gluon_kernels`): the same bits, block k + 1's product running while block k is added.
+# Measured on an H200 (session 13, benchmarks/gluon_decode_gemm.py): the 7B down projection at 128 rows 45.5 -> 39.0 us,
+# the 0.5B's at 256 rows 13.7 -> 9.7 us; at K ~ N it ties the Triton kernel, and on the wide gate+up it loses
+# (49.8 -> 58.6 us at 7B): many programs already hide the wait there. Where Gluon or Hopper is missing: the Triton kernel.
+gluon_decode = True
+GLUON_DECODE_MIN_K_PER_N = 2
 
 @eager_custom_op("jetrl::fp8_gemm_invariant", mutates_args=())
 def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
@@ -462,7 +465,7 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
     (M, K), N = a_data.shape, w_data.shape[0]
     a_data, a_scale, w_data, w_scale = (t.contiguous() for t in (a_data, a_scale, w_data, w_scale))
     bias = None if bias is None else bias.contiguous()
-    overlapped = gluon_decode and M <= DECODE_MAX_ROWS       # decode by the Gluon kernel, not cuBLAS, where it runs
+    overlapped = gluon_decode and M <= DECODE_MAX_ROWS and K >= GLUON_DECODE_MIN_K_PER_N * N   # the Gluon kernel, before cuBLAS
     if M and N and K and cublas_may_run(a_data, w_data) and not overlapped:   # cuBLAS, where it gave this kernel's bits
         out = cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype)
         if out is not None: return out

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import jetrl.kernels
-from jetrl.gluon_kernels import (GLUON_DECODE_STAGES, gluon_decode_possible, gluon_importable, hopper_sass,
-                                 launch_decode_overlapped, overlapped_decode_block_n)
+from jetrl.gluon_kernels import (OverlappedTile, gluon_decode_possible, gluon_importable, hopper_sass,
+                                 launch_decode_overlapped)
 
 needs_gluon = pytest.mark.skipif(not gluon_importable(), reason="needs a Triton with Gluon (Hopper's TMA and wgmma)")
 WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)")        # wait until at most that many wgmma groups run
@@ -26,34 +26,40 @@ def _operands(M=4, K=128, N=8):
     return a, torch.ones(M, 1), w, torch.ones(1, 1), torch.empty(M, N, dtype=torch.bfloat16)
 
 
-def test_off_by_default_and_never_on_the_cpu():
-    assert jetrl.kernels.gluon_decode is False
+def test_on_for_long_k_decode_and_never_on_the_cpu():
+    assert jetrl.kernels.gluon_decode is True and jetrl.kernels.GLUON_DECODE_MIN_K_PER_N == 2
     a, a_scale, w, w_scale, out = _operands()
     assert not gluon_decode_possible(a, w, out)
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
         launch_decode_overlapped(a, a_scale, w, w_scale, None, out)
 
 
-@pytest.mark.parametrize("block_n, stages", [(48, 4), (64, 4), (8, 4), (32, 1)])
-def test_bad_tiles_are_refused_with_the_rule(block_n, stages):
+@pytest.mark.parametrize("tile, rule", [(OverlappedTile(cols=48), "cols must be"), (OverlappedTile(cols=8), "cols must be"),
+                                        (OverlappedTile(rows=96), "rows must be"), (OverlappedTile(unroll=3), "unroll must be even"),
+                                        (OverlappedTile(unroll=0), "unroll must be even"),
+                                        (OverlappedTile(unroll=8, stages=6), "stages must be"),
+                                        (OverlappedTile(cols=16, col_groups=2), "each at least 16"),
+                                        (OverlappedTile(rows=128, cols=64, col_groups=2), "at most 8 warps")])
+def test_bad_tiles_are_refused_with_the_rule(tile, rule):
     a, a_scale, w, w_scale, out = _operands()
-    with pytest.raises(ValueError, match="block_n must be one of"):
-        launch_decode_overlapped(a, a_scale, w, w_scale, None, out, block_n, stages)
-
-
-def test_tile_width_follows_the_weight_width():
-    assert [overlapped_decode_block_n(n) for n in (128, 896, 1024, 1152, 2048, 3584, 37888)] == [16, 16, 16, 32, 32, 32, 32]
+    with pytest.raises(ValueError, match=rule):
+        launch_decode_overlapped(a, a_scale, w, w_scale, None, out, tile)
 
 
 @needs_gluon
-@pytest.mark.parametrize("blocks, block_n, stages, has_bias", [(8, 32, GLUON_DECODE_STAGES, False), (7, 16, 2, True),
-                                                               (28, 32, GLUON_DECODE_STAGES, True), (1, 32, 3, False),
-                                                               (148, 32, GLUON_DECODE_STAGES, False)])   # 7B down: ~40 s
-def test_machine_code_keeps_one_product_running(blocks, block_n, stages, has_bias):
+@pytest.mark.parametrize("blocks, tile, has_bias", [(8, OverlappedTile(unroll=4, stages=6), False), (7, OverlappedTile(64, 16, 1, 2, 2), True),
+                                                    (28, OverlappedTile(64, 64, 2, 4, 6), True), (1, OverlappedTile(), False),
+                                                    (148, OverlappedTile(), False), (38, OverlappedTile(), True), (148, OverlappedTile(128, 64, 1, 8, 8), False),
+                                                    (38, OverlappedTile(64, 32, 2, 4, 4), False)])
+def test_machine_code_keeps_one_product_running(blocks, tile, has_bias):
     """In the machine code for sm_90, compiled with a real launch's alignment hints, each K block's product is four FP8
-    wgmma of K = 32 over the tile's width (the Triton kernel's instruction), and the wait after each block but the last
-    leaves one product running (`0x1`): the overlap survived ptxas, which serializes wgmma when their running registers
-    are copied (warning C7514) or short (C7512). The Triton kernel waits for all (`0x0`) after every block."""
-    sass = hopper_sass(blocks, block_n, stages, has_bias)
-    assert FP8_WGMMA.findall(sass) == [str(block_n)] * (4 * blocks), FP8_WGMMA.findall(sass)
-    assert WAIT.findall(sass) == ["0x1"] * (blocks - 1) + ["0x0"], WAIT.findall(sass)
+    wgmma of K = 32 over a warp group's width (the Triton kernel's instruction), and inside a chunk of `unroll` blocks
+    the wait after each block but the last leaves one product running (`0x1`): the overlap survived ptxas, which
+    serializes every wgmma when running registers are copied or read (warnings C7514/C7515) or short (C7512). The Triton
+    kernel waits for all (`0x0`) after every block. The code is the chunk loop's body, then the last `blocks % unroll`."""
+    sass = hopper_sass(blocks, tile, has_bias)
+    tail = blocks % tile.unroll
+    width = str(tile.cols // tile.col_groups)
+    assert FP8_WGMMA.findall(sass) == [width] * (4 * (tile.unroll + tail)), FP8_WGMMA.findall(sass)
+    chunk = ["0x1"] * (tile.unroll - 1) + ["0x0"]
+    assert WAIT.findall(sass) == chunk + (["0x1"] * (tail - 1) + ["0x0"] if tail else []), WAIT.findall(sass)
