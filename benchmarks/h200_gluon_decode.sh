@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The overlapped decode GEMM on one H200, each stage under its own timeout (a hang, a barrier never completing, costs
-# that stage only). One build per tile and K / 128 % unroll (a few seconds each). From the repository root on the GPU
+# that stage only). A build per tile and K / 128 % unroll (a few seconds each). From the repository root on the GPU
 # machine:
 #   OUT=$OUT bash benchmarks/h200_gluon_decode.sh kernel   # ten tiles against jetrl's Triton kernel, then its GPU tests (<= 540 s)
 #   OUT=$OUT bash benchmarks/h200_gluon_decode.sh step     # its GPU tests, then the 7B and 0.5B steps with it (the default)

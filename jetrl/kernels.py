@@ -465,16 +465,17 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
     (M, K), N = a_data.shape, w_data.shape[0]
     a_data, a_scale, w_data, w_scale = (t.contiguous() for t in (a_data, a_scale, w_data, w_scale))
     bias = None if bias is None else bias.contiguous()
-    overlapped = gluon_decode and M <= DECODE_MAX_ROWS and K >= GLUON_DECODE_MIN_K_PER_N * N   # the Gluon kernel, before cuBLAS
-    if M and N and K and cublas_may_run(a_data, w_data) and not overlapped:   # cuBLAS, where it gave this kernel's bits
-        out = cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype)
-        if out is not None: return out
-    out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
-    if M == 0 or N == 0: return out
-    if overlapped:
+    out = None
+    if gluon_decode and M <= DECODE_MAX_ROWS and K >= GLUON_DECODE_MIN_K_PER_N * N:   # the Gluon kernel where it runs
         from jetrl.gluon_kernels import gluon_decode_possible, launch_decode_overlapped
+        out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
         if gluon_decode_possible(a_data, w_data, out):
             return launch_decode_overlapped(a_data, a_scale, w_data, w_scale, bias, out)
+    if M and N and K and cublas_may_run(a_data, w_data):   # cuBLAS, where it gave this kernel's bits
+        cublas_out = cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype)
+        if cublas_out is not None: return cublas_out
+    out = torch.empty(M, N, device=a_data.device, dtype=out_dtype) if out is None else out
+    if M == 0 or N == 0: return out
     return launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, fp8_gemm_tiles(M, N, K))
 
 @_fp8_gemm_invariant_op.register_fake

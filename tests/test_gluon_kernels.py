@@ -1,7 +1,7 @@
 """The overlapped decode GEMM (`jetrl.gluon_kernels`) where no GPU is: its switch and routing, its input checks, and
 its compiled form. Triton's compiler runs on the CPU, so the property the kernel exists for, block k + 1's product
-still running while block k is added (`wgmma.wait_group 1` in the K loop, where jetrl's Triton kernel waits for
-every block), is checked on the PTX it compiles to for an H100/H200 (sm_90). That test needs a Triton with Gluon
+still running while block k is added (`WARPGROUP.DEPBAR.LE gsb0, 0x1` inside a chunk, where jetrl's Triton kernel
+waits for every block), is checked on the machine code (SASS) it compiles to for an H100/H200 (sm_90). That test needs a Triton with Gluon
 (skipped in CI, which has no Triton):
 
     PYTHONPATH=$PWD /work/venvs/triton/bin/python -m pytest -q tests/test_gluon_kernels.py
@@ -34,12 +34,38 @@ def test_on_for_long_k_decode_and_never_on_the_cpu():
         launch_decode_overlapped(a, a_scale, w, w_scale, None, out)
 
 
+@pytest.mark.parametrize("M, K, N, gluon_on, routed", [
+    (128, 18944, 3584, True, True), (256, 4864, 896, True, True),      # the 7B and 0.5B down projections at decode
+    (128, 2 * 3584, 3584, True, True), (128, 2 * 3584 - 128, 3584, True, False),   # K = 2N is the edge
+    (128, 3584, 37888, True, False), (128, 3584, 4608, True, False),  # gate+up, q/k/v: the Triton kernel
+    (jetrl.kernels.DECODE_MAX_ROWS + 1, 18944, 3584, True, False),     # past decode: not here
+    (128, 18944, 3584, False, False)])                                 # the switch off
+def test_routing_sends_long_k_decode_gemms_only(monkeypatch, M, K, N, gluon_on, routed):
+    """`jetrl.kernels`' FP8 GEMM op takes the overlapped kernel for decode GEMMs (<= DECODE_MAX_ROWS rows) with
+    K >= GLUON_DECODE_MIN_K_PER_N x N where it can run, and the Triton kernel everywhere else (and where it cannot run).
+    Both launches are stubbed here (no GPU): the test records which one the op called."""
+    import jetrl.gluon_kernels as gk
+    calls = []
+    monkeypatch.setattr(jetrl.kernels, "gluon_decode", gluon_on)
+    monkeypatch.setattr(gk, "gluon_decode_possible", lambda a, w, out: True)
+    monkeypatch.setattr(gk, "launch_decode_overlapped", lambda *args: calls.append("gluon") or args[5])
+    monkeypatch.setattr(jetrl.kernels, "launch_fp8_gemm", lambda *args: calls.append("triton") or args[5])
+    a, a_scale, w, w_scale, _ = _operands(M, K, N)
+    out = jetrl.kernels._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
+    assert out.shape == (M, N) and calls == ["gluon" if routed else "triton"], calls
+    monkeypatch.setattr(gk, "gluon_decode_possible", lambda a, w, out: False)   # no Hopper or no Gluon: Triton's
+    calls.clear()
+    jetrl.kernels._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
+    assert calls == ["triton"], calls
+
+
 @pytest.mark.parametrize("tile, rule", [(OverlappedTile(cols=48), "cols must be"), (OverlappedTile(cols=8), "cols must be"),
                                         (OverlappedTile(rows=96), "rows must be"), (OverlappedTile(unroll=3), "unroll must be even"),
                                         (OverlappedTile(unroll=0), "unroll must be even"),
                                         (OverlappedTile(unroll=8, stages=6), "stages must be"),
                                         (OverlappedTile(cols=16, col_groups=2), "each at least 16"),
-                                        (OverlappedTile(rows=128, cols=64, col_groups=2), "at most 8 warps")])
+                                        (OverlappedTile(rows=128, cols=64, col_groups=2), "at most 8 warps"),
+                                        (OverlappedTile(rows=128, cols=64, stages=10, unroll=2), "shared memory")])
 def test_bad_tiles_are_refused_with_the_rule(tile, rule):
     a, a_scale, w, w_scale, out = _operands()
     with pytest.raises(ValueError, match=rule):

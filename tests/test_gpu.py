@@ -603,7 +603,8 @@ def test_decode_fp8_gemm_takes_cublas_only_where_same_bits_and_faster(capsys, mo
     from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, same_bits
     monkeypatch.setattr(kernels, "_fast_chosen", {})
     monkeypatch.setattr(kernels, "cublas_at_decode", True)
-    torch.manual_seed(0)
+    monkeypatch.setattr(kernels, "gluon_decode", False)    # cuBLAS against the Triton kernel (the down projection
+    torch.manual_seed(0)                                   # otherwise takes the Gluon kernel first)
     hidden, kv, mlp = 3584, 512, 18944
     for rows in (128, 256):
         for N, K in ((hidden + 2 * kv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)):
@@ -1094,7 +1095,7 @@ def test_rotary_kernel_gives_torch_bits_and_is_faster(monkeypatch, capsys):
         assert torch_ms >= ROTARY_MIN_SPEEDUP[name] * kernel, (name, times)
 
 
-# ---- The overlapped decode GEMM (jetrl.gluon_kernels, Gluon; off by default) ----
+# ---- The overlapped decode GEMM (jetrl.gluon_kernels, Gluon; on by default for decode GEMMs with K >= 2N) ----
 # A hang here (a barrier never completing) stops the whole run: run these first on their own, under `timeout`.
 GLUON_DECODE_SHAPES = [(128, 3584, 4608), (128, 3584, 3584), (128, 3584, 37888), (128, 18944, 3584),   # 7B, fused
                        (256, 896, 1152), (256, 896, 896), (256, 896, 9728), (256, 4864, 896),          # 0.5B
@@ -1151,7 +1152,8 @@ def test_gluon_decode_gemm_fp32_bias_and_output():
 
 @cuda
 def test_gluon_decode_engine_equals_trainer_bitwise(monkeypatch, capsys):
-    "jet's engine with the overlapped decode GEMM: every log-prob equals the trainer's (8 layers of the 0.5B shape)."
+    """jet's engine with the overlapped decode GEMM (the default; set here so the test states it): every log-prob equals
+    the trainer's (8 layers of the 0.5B shape), and the kernel ran (the down projections)."""
     _gluon_decode_or_skip()
     import jetrl.kernels
     from jetrl.rollout import SamplingParams
