@@ -3,9 +3,10 @@
 # and against each other, cuBLAS against the batch-invariant kernel bit for bit and its speed bound, the engine ==
 # trainer tests, the graphed trainer and train(cuda_graphs)), then the headline GRPO step side by side (bf16 and jet,
 # the GPU's defaults) at the 7B shape and the 0.5B step with the trainer's log-probs from CUDA graphs. Worst case
-# 520 s, inside a device call's 600. The 7B step with the old log-probs' entropy as jetrl.train computes it (session
-# 13: the same ratio) and a default against the code it replaced, in a call of its own:
-#   $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing [--entropy [--no-fused-entropy] | --no-dy-producer-quant | --no-gluon-decode]
+# 520 s, inside a device call's 600. The 7B step fits one H200 without activation checkpointing (session 14: peak
+# 100.5 GB bf16, 108.5 GB jet), so it runs without: each forward once, not twice. With checkpointing, with the old
+# log-probs' entropy as jetrl.train computes it, or a default against the code it replaced, in a call of its own:
+#   $STEP --model qwen2-7b --prompts 16 --micro-batch 16 [--checkpointing | --entropy [--no-fused-entropy] | --no-dy-producer-quant | --no-gluon-decode]
 # The head's log-prob kernels alone: benchmarks/head_logprobs.py.
 # The 0.5B step without graphs (session 7: 0.65-0.69x) is `$STEP --model qwen2-0.5b`.
 # Results into $OUT (default benchmarks/results). From the repository root on the GPU machine:
@@ -21,5 +22,5 @@ timeout 330 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test
 tail -5 "$OUT/test_gpu_step.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | cut -c1-200
 STEP="python benchmarks/grpo_step.py --strategies bf16,jet --out $OUT/grpo_step_h200.jsonl"
-timeout 110 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 --checkpointing 2>&1 | grep "^{" | cut -c1-260
+timeout 110 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 2>&1 | grep "^{" | cut -c1-260
 timeout 80 $STEP --model qwen2-0.5b --cuda-graphs 2>&1 | grep "^{" | cut -c1-260

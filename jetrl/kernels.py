@@ -8,17 +8,18 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT',
            'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'gluon_decode', 'GLUON_DECODE_MIN_K_PER_N',
            'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS', 'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT',
-           'cublas_when_same_bits', 'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'NORM_BACKWARD_PROGRAMS',
-           'NORM_VALUES_PER_WARP', 'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS',
-           'LOG_SOFTMAX_DTYPES', 'fused_entropy', 'rotary_kernel', 'ROTARY_BLOCK_T', 'invariant_kernels_available',
-           'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
-           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized',
-           'next_power_of_2', 'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits',
-           'fast_if_same_bits', 'cublas_where_same_bits', 'rms_norm_backward', 'silu_mul_backward',
-           'silu_mul_backward_quantized', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm',
-           'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8', 'silu_mul', 'silu_mul_quantized',
-           'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax', 'entropy_from_log_softmax',
-           'softmax_entropy', 'causal_key_mask', 'attend', 'rotate_half_kernel', 'use_invariant_kernels']
+           'cublas_when_same_bits', 'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'QUANTIZE_128X128_DTYPES',
+           'QUANTIZE_128X128_WARPS', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP', 'MAX_NORM_WARPS', 'SILU_BLOCK',
+           'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'fused_entropy', 'rotary_kernel', 'ROTARY_BLOCK_T',
+           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
+           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
+           'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant', 'cublas_may_run',
+           'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits', 'quantize_128x128',
+           'rms_norm_backward', 'silu_mul_backward', 'silu_mul_backward_quantized', 'backward_kernels',
+           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8',
+           'silu_mul', 'silu_mul_quantized', 'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax',
+           'entropy_from_log_softmax', 'softmax_entropy', 'causal_key_mask', 'attend', 'rotate_half_kernel',
+           'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -82,6 +83,24 @@ def _kernels():
         q, scale = quantize_groups(x, FP8_MAX, TINY)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + rows * stride_scale + group, scale, mask=rows < M)
+
+    @triton.jit
+    def quantize_128x128(w_ptr, q_ptr, scale_ptr, N, K, stride_w, stride_w_col, stride_q, stride_q_col, stride_scale,
+                         stride_scale_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr):
+        # one G x G block of a weight (N, K) per program, read once: quantize_groups' formula with one scale for the
+        # whole block (amax -> amax / FP8_MAX -> w / scale -> clamp -> FP8). Rows and columns past a ragged edge read
+        # as 0, which cannot raise the amax: the zero padding of quantize_unchecked
+        block_n, block_k = tl.program_id(0), tl.program_id(1)
+        rows = block_n * G + tl.arange(0, G)
+        cols = block_k * G + tl.arange(0, G)
+        if WIDE: rows, cols = rows.to(tl.int64), cols.to(tl.int64)     # offsets past 2^31 elements
+        ok = (rows < N)[:, None] & (cols < K)[None, :]
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :] * stride_w_col, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)                 # a max: the same in any order
+        scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)   # IEEE division, as torch
+        q = tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :] * stride_q_col, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + block_n * stride_scale + block_k * stride_scale_col, scale)
 
     @triton.jit
     def fp8_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_a, stride_a_scale, stride_w,
@@ -321,8 +340,9 @@ def _kernels():
         out = acc / l[:, None]
         tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
 
-    return dict(quantize_1x128=quantize_1x128, fp8_gemm=fp8_gemm, matmul=matmul, rms_norm=rms_norm, silu_mul=silu_mul,
-                rms_norm_backward=rms_norm_backward, silu_mul_backward=silu_mul_backward, attention=attention)
+    return dict(quantize_1x128=quantize_1x128, quantize_128x128=quantize_128x128, fp8_gemm=fp8_gemm, matmul=matmul,
+                rms_norm=rms_norm, silu_mul=silu_mul, rms_norm_backward=rms_norm_backward,
+                silu_mul_backward=silu_mul_backward, attention=attention)
 
 # %% ../nbs/00a_kernels.ipynb #7e831433
 INT32_LIMIT = 2**31   # element offsets at or past this need 64-bit index arithmetic in a kernel
@@ -687,6 +707,74 @@ def cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype) ->
     return fast_if_same_bits(key, cublas, kernel, torch.cuda.is_current_stream_capturing(), clock)
 
 def _alignment(t: torch.Tensor) -> int: return min(t.data_ptr() & -t.data_ptr(), 256)   # cuBLAS may pick by it
+
+# %% ../nbs/00a_kernels.ipynb #fc63bc23
+QUANTIZE_128X128_DTYPES = (torch.bfloat16, torch.float16, torch.float32)   # the weights `quantize_128x128` reads
+QUANTIZE_128X128_WARPS = 8   # a 128x128 block in registers: 64 fp32 values per thread
+
+def _blocks_128x128(shape) -> tuple[int, int]:
+    "The scale shape of a weight (N, K) in 128x128 blocks: (N / 128, K / 128), each rounded up."
+    return math.ceil(shape[0] / KERNEL_BLOCK), math.ceil(shape[1] / KERNEL_BLOCK)
+
+def _fits_128x128(out: FP8Tensor, w2d: torch.Tensor, fmt: str) -> bool:
+    "Whether `out` has the layout of `quantize_128x128(w2d, fmt)` (shapes, dtypes, device, block, format): it takes its bytes."
+    G = KERNEL_BLOCK
+    return ((tuple(out.block), out.fmt) == ((G, G), fmt) and out.data.shape == w2d.shape
+            and out.data.dtype == fp8_dtype(fmt) and tuple(out.scale.shape) == _blocks_128x128(w2d.shape)
+            and out.scale.dtype == torch.float32 and out.data.device == out.scale.device == w2d.device)
+
+def _launch_quantize_128x128(w2d: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str):
+    "The quantize_128x128 kernel over w2d's blocks, into data (N, K) and scale (N / 128, K / 128), any strides."
+    (N, K), G = w2d.shape, KERNEL_BLOCK
+    if N and K:
+        _kernels()["quantize_128x128"][_blocks_128x128(w2d.shape)](
+            w2d, data, scale, N, K, w2d.stride(0), w2d.stride(1), data.stride(0), data.stride(1), scale.stride(0),
+            scale.stride(1), FP8_MAX=fp8_max(fmt), TINY=torch.finfo(torch.float32).tiny, G=G,
+            WIDE=needs_64bit_offsets(w2d, data), num_warps=QUANTIZE_128X128_WARPS)
+
+@eager_custom_op("jetrl::quantize_128x128", mutates_args=())
+def _quantize_128x128_op(w2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.empty(w2d.shape, device=w2d.device, dtype=fp8_dtype(fmt))
+    scale = torch.empty(_blocks_128x128(w2d.shape), device=w2d.device, dtype=torch.float32)
+    _launch_quantize_128x128(w2d, data, scale, fmt)
+    return data, scale
+
+@_quantize_128x128_op.register_fake
+def _(w2d, fmt):
+    return w2d.new_empty(w2d.shape, dtype=fp8_dtype(fmt)), w2d.new_empty(_blocks_128x128(w2d.shape), dtype=torch.float32)
+
+@eager_custom_op("jetrl::quantize_128x128_into", mutates_args=("data", "scale"))
+def _quantize_128x128_into_op(w2d: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor) -> None:
+    _launch_quantize_128x128(w2d, data, scale, fmt)
+    torch.autograd.graph.increment_version((data, scale))   # written behind torch's back: bumped as an in-place op would
+
+@_quantize_128x128_into_op.register_fake
+def _(w2d, fmt, data, scale): return None
+
+def quantize_128x128(w2d: torch.Tensor, fmt: str = "e4m3", out: FP8Tensor | None = None) -> FP8Tensor:
+    """128x128-block quantization of a weight (N, K) (bf16, fp16 or fp32, any strides) in one kernel: the bytes and
+    scales of `quantize_unchecked(w2d, (128, 128), fmt)`, ragged edges included; data (N, K), scale (N / 128, K / 128)
+    rounded up, fp32. `out`: an FP8Tensor of that layout (e.g. the previous sync's) to write into, in place; returned.
+    A CUDA tensor with Triton, or Triton's CPU interpreter. Each kernel runs inside a `torch.library` custom op."""
+    fp8_dtype(fmt)                                              # an unknown format fails here, before any work
+    if w2d.dim() != 2 or w2d.dtype not in QUANTIZE_128X128_DTYPES:
+        raise ValueError(f"quantize_128x128 takes a 2-D weight (N, K) in one of {QUANTIZE_128X128_DTYPES}: got shape "
+                         f"{tuple(w2d.shape)} and dtype {w2d.dtype}.")
+    if out is not None and not _fits_128x128(out, w2d, fmt):
+        raise ValueError(f"quantize_128x128: out must have the layout of the result, data {tuple(w2d.shape)} "
+                         f"{fp8_dtype(fmt)} and scale {_blocks_128x128(w2d.shape)} float32 on {w2d.device}, block "
+                         f"({KERNEL_BLOCK}, {KERNEL_BLOCK}), format {fmt!r}; got {out} with data {out.data.dtype} on "
+                         f"{out.data.device} and scale {out.scale.dtype} on {out.scale.device}.")
+    if not invariant_kernels_available(w2d.device):
+        raise RuntimeError(f"quantize_128x128 runs a Triton kernel: it needs a CUDA tensor and Triton, or Triton's CPU "
+                           f"interpreter (TRITON_INTERPRET=1 set before importing jetrl); got a {w2d.device.type} tensor"
+                           f"{'' if HAS_TRITON else ', and Triton is not installed'}.")
+    w2d = w2d.detach()
+    if out is None:
+        data, scale = _quantize_128x128_op(w2d, fmt)
+        return FP8Tensor(data, scale, (KERNEL_BLOCK, KERNEL_BLOCK), fmt)
+    _quantize_128x128_into_op(w2d, fmt, out.data, out.scale)
+    return out
 
 # %% ../nbs/00a_kernels.ipynb #5eaceabb
 NORM_BACKWARD_PROGRAMS = 512    # programs of the RMSNorm backward at most (each a run of rows): ~4 per SM of an H200's

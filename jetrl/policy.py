@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from .linear import (FP8Recipe, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8, fp8_modules,
-                          quantize_weight)
+                          quantize_weight, pin_dgrad_bytes)
 from .kernels import (use_invariant_kernels, invariant_kernels_available, selective_log_softmax, temperature_log_softmax,
                            _reference_selective_log_softmax, softmax_entropy, entropy_from_log_softmax)
 
@@ -290,7 +290,8 @@ class GraphedLogProbs:
     backward is a graph too and the gradients are added to the parameters' `.grad`; the log-probs are then a view of the
     capture's own buffer, valid until its next call (the loss is taken from them at once). Without grad, a copy is
     returned. Before each replay every FP8Linear whose master weight changed is synced in place, as its first eager
-    forward after an update would be. Each capture holds its own buffers: with grad, a gradient of every parameter and
+    forward after an update would be, and with grad so is Dgrad's transposed copy of its FP8 weight (`pin_dgrad_bytes`:
+    one buffer per weight, read by the backward graphs). Each capture holds its own buffers: with grad, a gradient of every parameter and
     the micro-batch's saved activations.
     Where the forward is row-invariant (jet on a GPU, or `exact`) the padded log-probs are eager's bits; elsewhere
     (bf16's cuBLAS GEMMs see other row counts) they may differ in the last bits, as another micro-batch size would.
@@ -320,8 +321,13 @@ class GraphedLogProbs:
         self._fp8 = [m for m in fp8_modules(model).values() if m.recipe.is_fp8("fprop")]
         self._params = [p for p in model.parameters() if p.requires_grad]
 
-    def _sync_fp8_weights(self):
-        for m in self._fp8: m._current_fp8_weight()       # a stale cache re-quantized in place: the graphs read those bytes
+    def _sync_fp8_weights(self, grad: bool):
+        "A stale FP8 weight re-quantized in place (the graphs read those bytes); with grad also Dgrad's copy of it."
+        for m in self._fp8:
+            w_fp8, _ = m._current_fp8_weight()
+            # Dgrad's transposed bytes in one buffer per weight, rewritten here after an update: the backward graphs
+            # read it, instead of each replay copying every weight again (measured at 0.5B: 7 FP8 copies a layer)
+            if grad and m.weight.requires_grad and m.recipe.is_fp8("dgrad"): pin_dgrad_bytes(w_fp8)
 
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool, temperature: float,
                  with_entropy: bool):
@@ -362,7 +368,7 @@ class GraphedLogProbs:
             raise ValueError("GraphedLogProbs gives the entropy without grad only (as token_log_probs, it is never "
                              "differentiated): call it under torch.no_grad(), or without with_entropy.")
         if attention_mask is None: attention_mask = torch.ones_like(input_ids)
-        self._sync_fp8_weights()
+        self._sync_fp8_weights(grad)
         T = input_ids.shape[1]
         width = -(-T // self.width_bucket) * self.width_bucket
         ids, mask = _padded_right(input_ids, width), _padded_right(attention_mask, width)

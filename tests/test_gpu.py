@@ -676,6 +676,8 @@ def test_graphed_log_probs_equal_eager_across_updates(strategy):
             replayed = graphed(ids, mask)
             replayed.square().mean().backward()
         assert torch.equal(replayed, eager), f"update {update}: log-probs differ by up to {(replayed - eager).abs().max():.1e}"
+        for m in graphed._fp8:          # the backward graphs read Dgrad's pinned copy: this update's bytes, transposed
+            if strategy == "jet": assert torch.equal(m._synced[2].data._jetrl_dgrad_bytes[1], m._synced[2].data.t())
         worst = max(float((p.grad - e).norm() / e.norm().clamp_min(1e-12)) for p, e in zip(params, eager_grads))
         assert worst < 1e-3, f"update {update}: a gradient differs from eager's by {worst:.1e} (relative)"
         with torch.no_grad():
@@ -1190,3 +1192,33 @@ def test_gluon_decode_down_projections_faster_than_the_triton_kernel(capsys):
         print(f"\ndown projections at decode (7B 128 rows + 0.5B 256 rows): Triton {triton_us:.1f} us, overlapped "
               f"{gluon_us:.1f} us ({triton_us / gluon_us:.2f}x)")
     assert triton_us >= GLUON_DECODE_MIN_SPEEDUP * gluon_us, (triton_us, gluon_us)
+
+
+# The weight sync's quantizer: one Triton pass over each weight (jetrl.kernels.quantize_128x128) against torch's ops
+# over an fp32 copy (quantize_unchecked), which took 92 ms a sync at the 7B shape and 60-76 ms at 0.5B (session 14).
+# The bound is set before any measurement (unmeasured): ~3 bytes an element against ~40 read and written.
+WEIGHT_QUANTIZER_MIN_SPEEDUP = 4.0
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(37888, 3584), (3584, 18944), (1152, 896), (200, 300)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_weight_quantizer_kernel_gives_the_cpu_bits_and_is_faster(shape, fmt):
+    "quantize_128x128 on the GPU: the CPU emulation's bytes and scales (bf16 and fp32 weights), and faster than torch's ops."
+    from jetrl.kernels import quantize_128x128, graph_time_ms
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = (torch.randn(shape, device="cuda") * torch.logspace(-3, 2, shape[1], device="cuda")).to(dtype)
+        fast = quantize_128x128(w, fmt)
+        oracle = quantize_unchecked(w.cpu(), (128, 128), fmt)
+        assert torch.equal(fast.scale.cpu(), oracle.scale), f"{shape} {dtype} {fmt}: other scales"
+        assert torch.equal(fast.data.cpu().view(torch.uint8), oracle.data.view(torch.uint8)), f"{shape} {dtype} {fmt}: other bytes"
+        into = quantize_128x128(w, fmt, out=fast)                       # the sync's in-place form: the same bits
+        assert into.data.data_ptr() == fast.data.data_ptr() and torch.equal(into.scale.cpu(), oracle.scale)
+    if shape[0] * shape[1] < 2**24: return                              # time the 7B weights only
+    w = w.to(torch.bfloat16)
+    kernel_ms = graph_time_ms(lambda: quantize_128x128(w, fmt, out=fast))
+    torch_ms = graph_time_ms(lambda: quantize_unchecked(w, (128, 128), fmt))
+    print(f"\n{shape} {fmt}: kernel {1e3 * kernel_ms:.1f} us ({3 * w.numel() / kernel_ms / 1e9:.0f} GB/s), torch's ops "
+          f"{1e3 * torch_ms:.1f} us: {torch_ms / kernel_ms:.1f}x")
+    assert torch_ms / kernel_ms >= WEIGHT_QUANTIZER_MIN_SPEEDUP

@@ -669,3 +669,108 @@ def test_rotary_kernel_leaves_forward_ad_and_torch_func_to_torchs_ops(monkeypatc
     seen = []
     torch.func.vmap(lambda row: seen.append(jetrl.kernels._rotary_kernel_runs(row[None], cos, sin)) or row)(x)
     assert seen == [False]
+
+
+# ---- the weight's 128x128 blocks in one pass ----
+
+from jetrl.fp8 import FP8Tensor, fp8_max
+from jetrl.kernels import quantize_128x128
+
+
+def assert_same_weight_fp8(w_fp8, w: torch.Tensor, fmt: str):
+    "The kernel's FP8 weight is the CPU quantizer's 128x128 blocks of w, bit for bit: the codes, the scales, the layout."
+    want = quantize_unchecked(w.cpu(), (128, 128), fmt)
+    assert w_fp8.block == (128, 128) and w_fp8.fmt == fmt and w_fp8.data.dtype == want.data.dtype
+    assert w_fp8.data.shape == want.data.shape and w_fp8.scale.shape == want.scale.shape and w_fp8.scale.dtype == torch.float32
+    assert torch.equal(w_fp8.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(w_fp8.scale.cpu().view(torch.int32), want.scale.view(torch.int32))
+
+
+def weight(shape, dtype, seed=0) -> torch.Tensor:
+    "A weight-like (N, K): normal values of ~0.02, a few outliers, rounded to `dtype`."
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.02
+    w.view(-1)[:: 97] *= 30                                       # outliers: codes of every size within a block
+    return w.to(dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (128, 1)])   # whole blocks; ragged both ways; one column
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_128x128_is_the_cpu_quantizer(shape, dtype, fmt, gpu_casts):
+    w = weight(shape, dtype)
+    assert_same_weight_fp8(quantize_128x128(w.to(DEVICE), fmt), w, fmt)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_128x128_special_blocks(dtype, fmt, gpu_casts):
+    """Blocks that test the scale's edge cases: all zeros (signed zeros too: scale 1, codes +-0), one huge value among
+    small ones (most codes FP8 subnormals or zero), values so tiny that amax / fp8_max underflows (the scale's floor,
+    fp32's smallest normal), and a huge value in the ragged corner block (its padding must not count). The tiny values
+    are normal numbers: Triton 3.6's interpreter widens bf16 subnormals to wrong fp32 values (`_convert_float`), where
+    a GPU's widening is exact."""
+    w = weight((300, 400), torch.float32, seed=1)                  # 3 x 4 blocks, the last row and column ragged
+    w[:128, :128] = 0.0
+    w[:64, :128] = -0.0                                            # half the zero block negative zeros
+    big = 3e38 if dtype == torch.float32 else 1e38                 # near either format's largest
+    w[128:256, :128] *= 1e-3
+    w[200, 100] = big                                              # one huge value in block (1, 0)
+    g = torch.Generator().manual_seed(2)
+    tiny = (torch.rand(128, 128, generator=g) + 0.2) * 1e-37 * (torch.randint(0, 2, (128, 128), generator=g) * 2 - 1)
+    w[:128, 128:256] = tiny                                        # amax / fp8_max below fp32's smallest normal
+    w[299, 399] = -big / 3                                         # the ragged corner block's amax
+    w = w.to(dtype)
+    assert torch.signbit(w[:64, :128]).all() and w[:128, 128:256].abs().max() / fp8_max(fmt) < torch.finfo(torch.float32).tiny
+    w_fp8 = quantize_128x128(w.to(DEVICE), fmt)
+    assert w_fp8.scale[0, 0] == 1 and w_fp8.scale[0, 1] == torch.finfo(torch.float32).tiny   # the cases are there
+    assert_same_weight_fp8(w_fp8, w, fmt)
+
+
+@needs_kernels
+def test_quantize_128x128_reads_strided_weights(gpu_casts):
+    "A transposed view and a view with a row stride past K (a slice of a fused weight): the same bytes as a copy."
+    w = weight((300, 520), torch.bfloat16).to(DEVICE)
+    for view in (w.t(), w[:, 100:400], w[::2]):
+        assert_same_weight_fp8(quantize_128x128(view), view, "e4m3")
+
+
+@needs_kernels
+def test_quantize_128x128_writes_into_out_in_place(gpu_casts):
+    """With `out` the bytes and scales go into its tensors, returned: their addresses kept (a captured CUDA graph reads
+    them), their version counters moved (as an in-place op's). Also into the cropped view the CPU quantizer gives a
+    ragged weight's data (rows strided past K). What the tensors held before does not leak into the result."""
+    w = weight((200, 300), torch.bfloat16).to(DEVICE)
+    stale = torch.full((200, 300), 7.0)
+    cropped = quantize_unchecked(stale, (128, 128))                  # data: a (200, 300) view of the padded (256, 384)
+    assert cropped.data.stride() == (384, 1)
+    cropped = cropped._replace(data=cropped.data.to(DEVICE), scale=cropped.scale.to(DEVICE))   # (.to keeps the view on the CPU)
+    for out in (quantize_128x128(stale.to(DEVICE)), cropped):
+        addresses, versions = (out.data.data_ptr(), out.scale.data_ptr()), (out.data._version, out.scale._version)
+        again = quantize_128x128(w, "e4m3", out=out)
+        assert again is out and (out.data.data_ptr(), out.scale.data_ptr()) == addresses
+        assert out.data._version > versions[0] and out.scale._version > versions[1]
+        assert_same_weight_fp8(out, w, "e4m3")
+
+
+def test_quantize_128x128_rejects_what_it_cannot_take():
+    "A clear ValueError, before any kernel runs (so also where Triton is missing), for a non-2-D or non-float weight and an out that does not fit."
+    with pytest.raises(ValueError, match="2-D weight"): quantize_128x128(torch.zeros(2, 128, 128))
+    with pytest.raises(ValueError, match="2-D weight"): quantize_128x128(torch.zeros(128))
+    with pytest.raises(ValueError, match="2-D weight"): quantize_128x128(torch.zeros(128, 128, dtype=torch.float64))
+    with pytest.raises(ValueError, match="Unknown FP8 format"): quantize_128x128(torch.zeros(128, 128), "e3m4")
+    w = torch.zeros(200, 300)
+    good = FP8Tensor(torch.empty(200, 300, dtype=torch.float8_e4m3fn), torch.empty(2, 3), (128, 128), "e4m3")
+    for bad in (good._replace(data=torch.empty(200, 301, dtype=torch.float8_e4m3fn)),    # another weight's shape
+                good._replace(data=torch.empty(200, 300, dtype=torch.float8_e5m2)),      # another format's bytes
+                good._replace(scale=torch.empty(2, 2)), good._replace(scale=torch.empty(2, 3, dtype=torch.float64)),
+                good._replace(block=(1, 128)), good._replace(fmt="e5m2"),
+                good._replace(data=torch.empty(200, 300, dtype=torch.float8_e4m3fn, device="meta"))):
+        with pytest.raises(ValueError, match="out must have the layout"): quantize_128x128(w, "e4m3", out=bad)
+
+
+@pytest.mark.skipif(invariant_kernels_available("cpu"), reason="Triton runs here (the interpreter)")
+def test_quantize_128x128_needs_triton_on_the_cpu():
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"): quantize_128x128(torch.zeros(128, 128))

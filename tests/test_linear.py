@@ -275,6 +275,66 @@ def test_dgrad_reads_one_transposed_fp8_weight_per_update(monkeypatch):
     assert torch.equal(dx(), third)                                    # a fresh transpose each time: the same dx
 
 
+def test_pinned_dgrad_bytes_are_rewritten_in_place_not_freed():
+    """`pin_dgrad_bytes` (what GraphedLogProbs calls before each replay with grad): Dgrad's transposed FP8 weight in one
+    buffer that a sync does not free and an update rewrites in place (a captured backward reads its address)."""
+    from jetrl.linear import pin_dgrad_bytes
+    layer = FP8Linear(256, 384, bias=False, recipe="blockwise")
+    w_fp8 = layer.sync_fp8_weight()
+    pinned = pin_dgrad_bytes(w_fp8)
+    assert torch.equal(pinned, w_fp8.data.t()) and pinned.is_contiguous()
+    assert pin_dgrad_bytes(w_fp8) is pinned                            # current: no copy
+    with torch.no_grad(): layer.weight.add_(0.5 * torch.randn_like(layer.weight))
+    synced = layer.sync_fp8_weight()                                   # new bytes, written in place
+    assert synced.data is w_fp8.data
+    kept = w_fp8.data._jetrl_dgrad_bytes
+    assert kept is not None and kept[1] is pinned and kept[2]          # pinned: kept by the sync, stale now
+    assert kept[0] != w_fp8.data._version
+    address = pinned.data_ptr()
+    refreshed = pin_dgrad_bytes(w_fp8, pinned=False)                   # an eager backward keeps it pinned
+    assert refreshed.data_ptr() == address and torch.equal(refreshed, w_fp8.data.t())
+    assert w_fp8.data._jetrl_dgrad_bytes[2]
+    assert jetrl.linear._dgrad_weight(w_fp8).data.data_ptr() == address
+
+
+from jetrl.kernels import invariant_kernels_available
+from test_kernels import gpu_casts        # noqa: F401 (a fixture: the interpreter given the GPU's FP8 cast)
+
+@pytest.mark.skipif(not invariant_kernels_available("cpu"), reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("shape, dtype", [((384, 256), torch.float32), ((136, 200), torch.bfloat16)])   # whole, ragged
+def test_weight_sync_by_the_128x128_kernel(shape, dtype, gpu_casts, monkeypatch):
+    """With the GPU's weight quantizer forced on for the CPU (Triton's interpreter runs `quantize_128x128`):
+    `quantize_weight` takes it for 128x128 blocks only, with the CPU quantizer's bytes; a re-sync writes the new bytes
+    straight into the previous FP8 tensors (no fresh tensor, no copy), drops Dgrad's stale transposed copy and
+    refreshes the kernel-layout scales in place. Left off (the CPU's default), the kernel never runs."""
+    from jetrl.fp8 import quantize_unchecked, kernel_weight_scale
+    calls = []
+    real = jetrl.linear.quantize_128x128
+    monkeypatch.setattr(jetrl.linear, "quantize_128x128", lambda *args, **kw: calls.append(kw.get("out")) or real(*args, **kw))
+    N, K = shape
+    layer = FP8Linear(K, N, bias=False, recipe="blockwise", dtype=dtype)
+    reference = lambda: quantize_unchecked(layer.weight.detach(), (G, G), "e4m3")
+    layer.sync_fp8_weight(); quantize_weight(layer.weight, "blockwise")
+    assert calls == []                                                  # off: the CPU quantizer
+    monkeypatch.setattr(jetrl.linear, "QUANTIZE_WEIGHT_KERNEL_ON", ("cuda", "cpu"))
+    assert same_fp8(quantize_weight(layer.weight, "blockwise"), reference()) and calls == [None]
+    for recipe in ("rowwise", "tensorwise", replace(RECIPES["blockwise"], pow2_scale=True)):   # other blocks, pow2
+        quantize_weight(layer.weight, recipe)
+    assert calls == [None]
+    layer._synced = None
+    synced = layer.sync_fp8_weight()                                    # a first sync: fresh tensors, by the kernel
+    assert calls == [None, None] and same_fp8(synced, reference())
+    kernel_scale, addresses = layer._synced[3], (synced.data.data_ptr(), synced.scale.data_ptr())
+    synced.data._jetrl_dgrad_bytes = "stale"
+    with torch.no_grad(): layer.weight.mul_(3).add_(0.01)               # an update
+    resynced = layer.sync_fp8_weight()
+    assert len(calls) == 3 and calls[2] is synced and resynced is synced   # one kernel call, into the previous tensors
+    assert (resynced.data.data_ptr(), resynced.scale.data_ptr()) == addresses
+    assert same_fp8(resynced, reference()) and resynced.data._jetrl_dgrad_bytes is None
+    assert layer._synced[3] is kernel_scale and torch.equal(kernel_scale, kernel_weight_scale(reference()))
+    assert layer._synced[0] == layer.weight._version and layer.fp8_weight() is resynced
+
+
 @pytest.mark.parametrize("kernel_path", [False, True])
 @pytest.mark.parametrize("recipe, bias, weight_in_graph", [("blockwise", True, True), ("blockwise", False, True),
                                                             ("rowwise", False, True), ("tensorwise", True, True),
