@@ -432,18 +432,21 @@ class FP8Linear(nn.Linear):
         by `quantize_128x128` straight into them where it runs (`quantize_weight`'s GPU path), else by a copy."""
         previous, recipe = self._synced, self.recipe
         # the previous tensors have the layout the kernel's result would have (`_same_layout` with it): written in place
-        if (previous is not None and _weight_kernel_runs(self.weight, recipe, "fprop")
-                and _fits_128x128(previous[2], self.weight, recipe.weight_fmt)):
-            fresh = quantize_128x128(self.weight.detach(), recipe.weight_fmt, out=previous[2])
+        in_place = (previous is not None and _weight_kernel_runs(self.weight, recipe, "fprop")
+                    and _fits_128x128(previous[2], self.weight, recipe.weight_fmt))
+        if in_place: fresh = quantize_128x128(self.weight.detach(), recipe.weight_fmt, out=previous[2])
         else: fresh = quantize_weight(self.weight, recipe, "fprop")
-        kernel_scale = kernel_weight_scale(fresh)
+        scales_in_place = in_place and previous[3] is not None
+        if scales_in_place:                          # the kernel layout's scales: the new ones into its unpadded part
+            kernel_scale = previous[3]; kernel_scale[:, :fresh.scale.shape[1]].copy_(fresh.scale)
+        else: kernel_scale = kernel_weight_scale(fresh)
         if previous is not None and _same_layout(previous[2], fresh):
             if fresh is not previous[2]:
                 previous[2].data.copy_(fresh.data); previous[2].scale.copy_(fresh.scale); fresh = previous[2]
             dgrad = getattr(fresh.data, "_jetrl_dgrad_bytes", None)
             if dgrad is not None and not dgrad[2]:
                 fresh.data._jetrl_dgrad_bytes = None  # Dgrad's transposed copy is stale: freed now, remade by the next backward
-            if kernel_scale is not None: previous[3].copy_(kernel_scale); kernel_scale = previous[3]
+            if kernel_scale is not None and not scales_in_place: previous[3].copy_(kernel_scale); kernel_scale = previous[3]
         self._synced = (self.weight._version, recipe, fresh, kernel_scale)
         return fresh
 

@@ -325,7 +325,7 @@ def test_weight_sync_by_the_128x128_kernel(shape, dtype, gpu_casts, monkeypatch)
     synced = layer.sync_fp8_weight()                                    # a first sync: fresh tensors, by the kernel
     assert calls == [None, None] and same_fp8(synced, reference())
     kernel_scale, addresses = layer._synced[3], (synced.data.data_ptr(), synced.scale.data_ptr())
-    synced.data._jetrl_dgrad_bytes = "stale"
+    synced.data._jetrl_dgrad_bytes = (-1, synced.data.t().contiguous(), False)   # a stale, unpinned transposed copy
     with torch.no_grad(): layer.weight.mul_(3).add_(0.01)               # an update
     resynced = layer.sync_fp8_weight()
     assert len(calls) == 3 and calls[2] is synced and resynced is synced   # one kernel call, into the previous tensors
