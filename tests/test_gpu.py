@@ -1196,8 +1196,9 @@ def test_gluon_decode_down_projections_faster_than_the_triton_kernel(capsys):
 
 # The weight sync's quantizer: one Triton pass over each weight (jetrl.kernels.quantize_128x128) against torch's ops
 # over an fp32 copy (quantize_unchecked), which took 92 ms a sync at the 7B shape and 60-76 ms at 0.5B (session 14).
-# The bound is set before any measurement (unmeasured): ~3 bytes an element against ~40 read and written.
-WEIGHT_QUANTIZER_MIN_SPEEDUP = 4.0
+# Measured on an H200 (session 14, CUDA graphs, bf16 weights): 11.4-11.7x at the 7B gate+up and down weights (152.5 us
+# against 1,767.9 us for 136 M elements, ~2.7 TB/s of the ~3 bytes an element); the bound leaves room for noise.
+WEIGHT_QUANTIZER_MIN_SPEEDUP = 6.0
 
 
 @cuda
@@ -1219,6 +1220,6 @@ def test_weight_quantizer_kernel_gives_the_cpu_bits_and_is_faster(shape, fmt):
     w = w.to(torch.bfloat16)
     kernel_ms = graph_time_ms(lambda: quantize_128x128(w, fmt, out=fast))
     torch_ms = graph_time_ms(lambda: quantize_unchecked(w, (128, 128), fmt))
-    print(f"\n{shape} {fmt}: kernel {1e3 * kernel_ms:.1f} us ({3 * w.numel() / kernel_ms / 1e9:.0f} GB/s), torch's ops "
+    print(f"\n{shape} {fmt}: kernel {1e3 * kernel_ms:.1f} us ({3 * w.numel() / kernel_ms / 1e6:.0f} GB/s), torch's ops "
           f"{1e3 * torch_ms:.1f} us: {torch_ms / kernel_ms:.1f}x")
     assert torch_ms / kernel_ms >= WEIGHT_QUANTIZER_MIN_SPEEDUP
