@@ -98,7 +98,12 @@ def _kernels():
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :] * stride_w_col, mask=ok, other=0.0).to(tl.float32)
         amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)                 # a max: the same in any order
         scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)   # IEEE division, as torch
-        q = tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX), FP8_MAX)
+        # a NaN weight (a diverged update) stays visible, as torch has it: Triton's max skips a NaN where torch's amax
+        # returns it (and `NaN > 0` gives scale 1), and the clamp keeps NaN (from NaN, or inf / inf in a block with inf)
+        has_nan = tl.max(tl.max((w != w).to(tl.int32), axis=1), axis=0) > 0
+        scale = tl.where(has_nan, 1.0, scale)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :] * stride_q_col, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + block_n * stride_scale + block_k * stride_scale_col, scale)
 

@@ -8,9 +8,9 @@ Docs: https://jetrl.github.io/jetrl/linear.html.md"""
 __all__ = ['GEMMS', 'GRANULARITIES', 'RECIPES', 'QUANTIZE_WEIGHT_KERNEL_ON', 'quantize_in_producers', 'PRODUCER_MAX_DECODE_ROWS',
            'quantize_dy_in_producers', 'WEIGHT_QUANTIZED_IN_GRAPH_ON', 'ModuleFilter', 'FP8Recipe', 'get_recipe',
            'quantize_weight', 'fp8_fprop', 'producer_quantizer', 'offer_input_fp8', 'dy_producer_format',
-           'pin_dgrad_bytes', 'FP8LinearFunction', 'linear_sqnr', 'assume_synced_fp8_weights', 'FP8Linear',
-           'default_module_filter', 'convert_to_fp8', 'fp8_modules', 'set_recipe', 'FP8InferenceLinear',
-           'saved_activation_bytes']
+           'pinning_dgrad_bytes', 'dgrad_pinned', 'pin_dgrad_bytes', 'FP8LinearFunction', 'linear_sqnr',
+           'assume_synced_fp8_weights', 'FP8Linear', 'default_module_filter', 'convert_to_fp8', 'fp8_modules',
+           'set_recipe', 'FP8InferenceLinear', 'saved_activation_bytes']
 
 # %% ../nbs/01_linear.ipynb #5bed1de3
 import math, weakref
@@ -227,20 +227,37 @@ def _handed_grad_fp8(dy: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor | None:
         return None
     return dy_fp8
 
-def pin_dgrad_bytes(w_fp8: FP8Tensor, pinned: bool = True) -> torch.Tensor:
-    """W.T's bytes (K, N) contiguous, as Dgrad reads them, brought up to date with `w_fp8`'s bytes: cached on them with
-    their version (which the sync's in-place write bumps) and rewritten in place when stale, so the buffer keeps its
-    address. `pinned`: the CUDA graphs of a backward read this buffer (`GraphedLogProbs` refreshes it before each
-    replay), so the sync must not free it."""
+_PINNING_FOR = None   # the holder of CUDA graphs (GraphedLogProbs) capturing now: its eager warm-up backward pins
+
+@contextmanager
+def pinning_dgrad_bytes(owner):
+    "Inside, the eager backward passes pin the Dgrad copies they read for `owner`, whose capture will read them."
+    global _PINNING_FOR
+    previous, _PINNING_FOR = _PINNING_FOR, owner
+    try: yield
+    finally: _PINNING_FOR = previous
+
+def dgrad_pinned(cached) -> bool:
+    "Whether a cached Dgrad copy (version, buffer, owners) is read by the captured backward of a live owner."
+    return cached is not None and cached[2] is not None and len(cached[2]) > 0
+
+def pin_dgrad_bytes(w_fp8: FP8Tensor, owner=None) -> torch.Tensor:
+    """W.T's bytes (K, N) contiguous, as Dgrad reads them, brought up to date with `w_fp8`'s bytes: cached on them as
+    (version, buffer, owners), with their version (which the sync's in-place write bumps), and rewritten in place when
+    stale, so the buffer keeps its address. `owner`: a holder of CUDA graphs (`GraphedLogProbs`) whose captured
+    backward reads this buffer: kept in a weak set, and while one of them lives the buffer is pinned (a sync keeps it;
+    the owner rewrites it before each replay); once all are gone it is an ordinary cache again, freed by the next sync."""
     cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
-    version, pinned = w_fp8.data._version, pinned or (cached is not None and cached[2])
+    version, owners = w_fp8.data._version, (cached[2] if cached is not None else None)
+    if owner is not None and (owners is None or owner not in owners):
+        owners = weakref.WeakSet(owners or ()); owners.add(owner)
     if cached is not None and cached[0] == version:
-        if pinned and not cached[2]: w_fp8.data._jetrl_dgrad_bytes = (version, cached[1], True)
+        if owners is not cached[2]: w_fp8.data._jetrl_dgrad_bytes = (version, cached[1], owners)
         return cached[1]
     if cached is not None and cached[1].shape == w_fp8.data.shape[::-1]:
         buffer = cached[1]; buffer.copy_(w_fp8.data.t())              # in place: a captured backward reads this address
     else: buffer = w_fp8.data.t().contiguous()
-    w_fp8.data._jetrl_dgrad_bytes = (version, buffer, pinned)
+    w_fp8.data._jetrl_dgrad_bytes = (version, buffer, owners)
     return buffer
 
 def _dgrad_weight(w_fp8: FP8Tensor) -> FP8Tensor:
@@ -253,11 +270,10 @@ def _dgrad_weight(w_fp8: FP8Tensor) -> FP8Tensor:
     stale); in a compiled graph too (an attribute set while tracing is not set again by the compiled code)."""
     if torch.compiler.is_compiling() or _capturing(w_fp8.data):
         cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
-        if (not torch.compiler.is_compiling() and cached is not None and cached[2]
-                and cached[0] == w_fp8.data._version):
+        if not torch.compiler.is_compiling() and dgrad_pinned(cached) and cached[0] == w_fp8.data._version:
             return w_fp8._replace(data=cached[1].t())                    # pinned: refreshed before each replay
         return w_fp8._replace(data=w_fp8.data.t().contiguous().t())   # traced (compiled) or captured: made in the graph
-    return w_fp8._replace(data=pin_dgrad_bytes(w_fp8, pinned=False).t())
+    return w_fp8._replace(data=pin_dgrad_bytes(w_fp8, owner=_PINNING_FOR).t())
 
 def _count_wgrad_reader(x_data: torch.Tensor):
     "One more FP8 linear whose Wgrad will read these saved FP8 input bytes (q/k/v share one input, gate/up another)."
@@ -444,7 +460,7 @@ class FP8Linear(nn.Linear):
             if fresh is not previous[2]:
                 previous[2].data.copy_(fresh.data); previous[2].scale.copy_(fresh.scale); fresh = previous[2]
             dgrad = getattr(fresh.data, "_jetrl_dgrad_bytes", None)
-            if dgrad is not None and not dgrad[2]:
+            if dgrad is not None and not dgrad_pinned(dgrad):
                 fresh.data._jetrl_dgrad_bytes = None  # Dgrad's transposed copy is stale: freed now, remade by the next backward
             if kernel_scale is not None and not scales_in_place: previous[3].copy_(kernel_scale); kernel_scale = previous[3]
         self._synced = (self.weight._version, recipe, fresh, kernel_scale)

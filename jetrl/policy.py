@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from .linear import (FP8Recipe, FP8InferenceLinear, RECIPES, get_recipe, convert_to_fp8, fp8_modules,
-                          quantize_weight, pin_dgrad_bytes)
+                          quantize_weight, pin_dgrad_bytes, pinning_dgrad_bytes, dgrad_pinned)
 from .kernels import (use_invariant_kernels, invariant_kernels_available, selective_log_softmax, temperature_log_softmax,
                            _reference_selective_log_softmax, softmax_entropy, entropy_from_log_softmax)
 
@@ -290,8 +290,8 @@ class GraphedLogProbs:
     backward is a graph too and the gradients are added to the parameters' `.grad`; the log-probs are then a view of the
     capture's own buffer, valid until its next call (the loss is taken from them at once). Without grad, a copy is
     returned. Before each replay every FP8Linear whose master weight changed is synced in place, as its first eager
-    forward after an update would be, and with grad so is Dgrad's transposed copy of its FP8 weight (`pin_dgrad_bytes`:
-    one buffer per weight, read by the backward graphs). Each capture holds its own buffers: with grad, a gradient of every parameter and
+    forward after an update would be, and with grad so is Dgrad's transposed copy of its FP8 weight where a capture's
+    backward reads it (`pin_dgrad_bytes`: one buffer per weight, pinned while this object lives). Each capture holds its own buffers: with grad, a gradient of every parameter and
     the micro-batch's saved activations.
     Where the forward is row-invariant (jet on a GPU, or `exact`) the padded log-probs are eager's bits; elsewhere
     (bf16's cuBLAS GEMMs see other row counts) they may differ in the last bits, as another micro-batch size would.
@@ -325,9 +325,11 @@ class GraphedLogProbs:
         "A stale FP8 weight re-quantized in place (the graphs read those bytes); with grad also Dgrad's copy of it."
         for m in self._fp8:
             w_fp8, _ = m._current_fp8_weight()
-            # Dgrad's transposed bytes in one buffer per weight, rewritten here after an update: the backward graphs
-            # read it, instead of each replay copying every weight again (measured at 0.5B: 7 FP8 copies a layer)
-            if grad and m.weight.requires_grad and m.recipe.is_fp8("dgrad"): pin_dgrad_bytes(w_fp8)
+            # Dgrad's transposed bytes, one buffer per weight that a capture's backward read (pinned by its warm-up,
+            # `pinning_dgrad_bytes`), rewritten here after an update: the backward graphs read it, instead of each
+            # replay copying every weight again (measured at 0.5B: 7 FP8 copies a layer)
+            cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
+            if grad and dgrad_pinned(cached) and self in cached[2]: pin_dgrad_bytes(w_fp8)
 
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool, temperature: float,
                  with_entropy: bool):
@@ -339,7 +341,7 @@ class GraphedLogProbs:
                                    f"(it holds {held[0]}'s gradient accumulator, bound to that call's stream; torch "
                                    f"{torch.__version__} cannot redirect it): free it first, e.g. `del loss` or keep "
                                    "`log_probs.detach()`.")
-            with _stale_streams_redirected():
+            with _stale_streams_redirected(), pinning_dgrad_bytes(self):
                 graphed = torch.cuda.make_graphed_callables(_LogProbsModule(self.model, temperature), (static_ids, static_mask),
                                                             num_warmup_iters=GRAPH_WARMUP_CALLS, allow_unused_input=True)
             for p in self._params:                  # the capture's own graph holds these from now on: not an eager one's

@@ -730,6 +730,23 @@ def test_quantize_128x128_special_blocks(dtype, fmt, gpu_casts):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_128x128_keeps_nan_and_inf_visible(dtype, fmt, gpu_casts):
+    """A block holding NaN gets scale 1 and its NaN stays NaN, a block holding inf gets scale inf (inf / inf: NaN), as
+    quantize_unchecked has them: a diverged weight must not turn into finite FP8 codes (Triton's max skips a NaN)."""
+    w = torch.randn(256, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
+    w[5, 7] = w[140, 10] = float("nan"); w[130, 200], w[200, 290] = float("inf"), -float("inf")
+    got, want = quantize_128x128(w.to(DEVICE), fmt), quantize_unchecked(w, (128, 128), fmt)
+    assert torch.equal(got.scale.cpu(), want.scale)
+    got_values, want_values = got.data.cpu().float(), want.data.float()
+    assert torch.equal(got_values.isnan(), want_values.isnan())         # a NaN's sign bit may differ: its place may not
+    finite = ~want_values.isnan()
+    assert torch.equal(got.data.cpu().view(torch.uint8)[finite], want.data.view(torch.uint8)[finite])
+
+
+
+@needs_kernels
 def test_quantize_128x128_reads_strided_weights(gpu_casts):
     "A transposed view and a view with a row stride past K (a slice of a fused weight): the same bytes as a copy."
     w = weight((300, 520), torch.bfloat16).to(DEVICE)

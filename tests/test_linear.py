@@ -275,26 +275,37 @@ def test_dgrad_reads_one_transposed_fp8_weight_per_update(monkeypatch):
     assert torch.equal(dx(), third)                                    # a fresh transpose each time: the same dx
 
 
-def test_pinned_dgrad_bytes_are_rewritten_in_place_not_freed():
-    """`pin_dgrad_bytes` (what GraphedLogProbs calls before each replay with grad): Dgrad's transposed FP8 weight in one
-    buffer that a sync does not free and an update rewrites in place (a captured backward reads its address)."""
-    from jetrl.linear import pin_dgrad_bytes
+def test_pinned_dgrad_bytes_are_rewritten_in_place_not_freed(monkeypatch):
+    """`pin_dgrad_bytes` for a holder of CUDA graphs (GraphedLogProbs): its warm-up backward pins the Dgrad copy it reads
+    (`pinning_dgrad_bytes`), the capture reads that buffer (a captured copy would be made again at every replay), a
+    sync keeps it and an update rewrites it in place (the captured address stays); once the holder is gone it is an
+    ordinary cache, freed by the next sync. Capture simulated on the CPU: `_capturing` forced true."""
+    import gc
+    from jetrl.linear import pin_dgrad_bytes, pinning_dgrad_bytes, dgrad_pinned, _dgrad_weight
+    class Holder: pass
+    owner = Holder()
     layer = FP8Linear(256, 384, bias=False, recipe="blockwise")
     w_fp8 = layer.sync_fp8_weight()
-    pinned = pin_dgrad_bytes(w_fp8)
+    plain = _dgrad_weight(w_fp8).data                                   # an eager backward outside any capture
+    assert not dgrad_pinned(w_fp8.data._jetrl_dgrad_bytes)
+    with pinning_dgrad_bytes(owner): pinned = _dgrad_weight(w_fp8).data.t()   # the capture's warm-up
+    assert pinned.data_ptr() == plain.data_ptr() and dgrad_pinned(w_fp8.data._jetrl_dgrad_bytes)
     assert torch.equal(pinned, w_fp8.data.t()) and pinned.is_contiguous()
-    assert pin_dgrad_bytes(w_fp8) is pinned                            # current: no copy
+    monkeypatch.setattr(jetrl.linear, "_capturing", lambda t: True)
+    assert _dgrad_weight(w_fp8).data.data_ptr() == pinned.data_ptr()    # the capture reads the pinned buffer
     with torch.no_grad(): layer.weight.add_(0.5 * torch.randn_like(layer.weight))
-    synced = layer.sync_fp8_weight()                                   # new bytes, written in place
-    assert synced.data is w_fp8.data
+    assert layer.sync_fp8_weight().data is w_fp8.data                   # new bytes, written in place
     kept = w_fp8.data._jetrl_dgrad_bytes
-    assert kept is not None and kept[1] is pinned and kept[2]          # pinned: kept by the sync, stale now
-    assert kept[0] != w_fp8.data._version
-    address = pinned.data_ptr()
-    refreshed = pin_dgrad_bytes(w_fp8, pinned=False)                   # an eager backward keeps it pinned
-    assert refreshed.data_ptr() == address and torch.equal(refreshed, w_fp8.data.t())
-    assert w_fp8.data._jetrl_dgrad_bytes[2]
-    assert jetrl.linear._dgrad_weight(w_fp8).data.data_ptr() == address
+    assert kept[1].data_ptr() == pinned.data_ptr() and kept[0] != w_fp8.data._version   # kept by the sync, stale now
+    assert _dgrad_weight(w_fp8).data.data_ptr() != pinned.data_ptr()    # a capture now would copy in the graph
+    assert pin_dgrad_bytes(w_fp8).data_ptr() == pinned.data_ptr()       # the owner's refresh before a replay
+    assert torch.equal(pinned, w_fp8.data.t()) and _dgrad_weight(w_fp8).data.data_ptr() == pinned.data_ptr()
+    monkeypatch.setattr(jetrl.linear, "_capturing", lambda t: False)
+    del owner; gc.collect()
+    assert not dgrad_pinned(w_fp8.data._jetrl_dgrad_bytes)              # its holder gone: an ordinary cache
+    with torch.no_grad(): layer.weight.add_(0.5 * torch.randn_like(layer.weight))
+    layer.sync_fp8_weight()
+    assert getattr(w_fp8.data, "_jetrl_dgrad_bytes") is None            # freed by the sync
 
 
 from jetrl.kernels import invariant_kernels_available
@@ -325,7 +336,7 @@ def test_weight_sync_by_the_128x128_kernel(shape, dtype, gpu_casts, monkeypatch)
     synced = layer.sync_fp8_weight()                                    # a first sync: fresh tensors, by the kernel
     assert calls == [None, None] and same_fp8(synced, reference())
     kernel_scale, addresses = layer._synced[3], (synced.data.data_ptr(), synced.scale.data_ptr())
-    synced.data._jetrl_dgrad_bytes = (-1, synced.data.t().contiguous(), False)   # a stale, unpinned transposed copy
+    synced.data._jetrl_dgrad_bytes = (-1, synced.data.t().contiguous(), None)    # a stale, unpinned transposed copy
     with torch.no_grad(): layer.weight.mul_(3).add_(0.01)               # an update
     resynced = layer.sync_fp8_weight()
     assert len(calls) == 3 and calls[2] is synced and resynced is synced   # one kernel call, into the previous tensors
