@@ -462,7 +462,8 @@ class FP8Linear(nn.Linear):
             dgrad = getattr(fresh.data, "_jetrl_dgrad_bytes", None)
             if dgrad is not None and not dgrad_pinned(dgrad):
                 fresh.data._jetrl_dgrad_bytes = None  # Dgrad's transposed copy is stale: freed now, remade by the next backward
-            if kernel_scale is not None and not scales_in_place: previous[3].copy_(kernel_scale); kernel_scale = previous[3]
+            if kernel_scale is not None and not scales_in_place and previous[3] is not None:
+                previous[3].copy_(kernel_scale); kernel_scale = previous[3]
         self._synced = (self.weight._version, recipe, fresh, kernel_scale)
         return fresh
 
