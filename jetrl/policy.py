@@ -291,8 +291,8 @@ class GraphedLogProbs:
     capture's own buffer, valid until its next call (the loss is taken from them at once). Without grad, a copy is
     returned. Before each replay every FP8Linear whose master weight changed is synced in place, as its first eager
     forward after an update would be, and with grad so is Dgrad's transposed copy of its FP8 weight where a capture's
-    backward reads it (`pin_dgrad_bytes`: one buffer per weight, pinned while this object lives). Each capture holds its own buffers: with grad, a gradient of every parameter and
-    the micro-batch's saved activations.
+    backward reads it (`pin_dgrad_bytes`: one buffer per weight, pinned while this object lives). Each capture holds
+    its own buffers: with grad, a gradient of every parameter and the micro-batch's saved activations.
     Where the forward is row-invariant (jet on a GPU, or `exact`) the padded log-probs are eager's bits; elsewhere
     (bf16's cuBLAS GEMMs see other row counts) they may differ in the last bits, as another micro-batch size would.
     The gradients are eager's at the padded width; under an FP8 recipe they differ from an unpadded call's at FP8's
