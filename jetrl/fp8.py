@@ -70,7 +70,7 @@ def compute_scale(amax: torch.Tensor, fmt: str = "e4m3", pow2_scale: bool = Fals
     "fp32 scale = amax / fp8_max; optionally rounded up to a power of two; 1 for all-zero blocks."
     amax = amax.float()
     # divided by a tensor on amax's device: on CUDA, torch divides by a Python number as a product with its reciprocal
-    # (1 ulp off IEEE division in about half the scales); a tensor divisor gets IEEE division on every device, as the
+    # (up to 1 ulp off IEEE division); a tensor divisor gets IEEE division on every device, as the
     # CPU, the Triton quantizers and so the trainer's weights have it (the ranks' sync must give the same scales)
     scale = amax / amax.new_full((), fp8_max(fmt))
     if pow2_scale: scale = torch.exp2(torch.ceil(torch.log2(scale)))

@@ -27,7 +27,7 @@ import functools, importlib.util, math, os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK, eager_custom_op, has_fp8_kernel, _fp8_gemm
+from .fp8 import FP8Tensor, fp8_max, fp8_dtype, scale_shape, KERNEL_BLOCK, eager_custom_op, has_fp8_kernel, _fp8_gemm
 
 # %% ../nbs/00a_kernels.ipynb #a05db474
 TILE_ROWS = 64          # rows of one tile: Hopper's wgmma works on 64 rows, fewer rows are padded (masked) to it
@@ -59,13 +59,18 @@ def _kernels():
     import triton.language.extra.libdevice          # CUDA's own math functions (expf), as tl.extra.libdevice
     # jitted helpers the kernels call (the one quantization formula, its store of a gradient's FP8 copy) are module
     # globals: Triton's interpreter looks names up there only
-    global quantize_groups, store_groups_fp8
+    global scale_of_amax, quantize_groups, store_groups_fp8
+
+    @triton.jit
+    def scale_of_amax(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+        # jetrl's scale: amax / FP8_MAX by IEEE division (as torch divides), at least fp32's smallest normal; 1 for zeros
+        return tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)
 
     @triton.jit
     def quantize_groups(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
         # quantize_1x128's formula on a (rows, 128) fp32 tile: the FP8 values (fp32, clamped) and each row's scale
         amax = tl.max(tl.abs(y), axis=1)
-        scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)   # IEEE division, as torch
+        scale = scale_of_amax(amax, FP8_MAX, TINY)
         return tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -FP8_MAX), FP8_MAX), scale
 
     @triton.jit
@@ -97,7 +102,7 @@ def _kernels():
         ok = (rows < N)[:, None] & (cols < K)[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :] * stride_w_col, mask=ok, other=0.0).to(tl.float32)
         amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)                 # a max: the same in any order
-        scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)   # IEEE division, as torch
+        scale = scale_of_amax(amax, FP8_MAX, TINY)
         # a NaN weight (a diverged update) stays visible, as torch has it: Triton's max skips a NaN where torch's amax
         # returns it (and `NaN > 0` gives scale 1), and the clamp keeps NaN (from NaN, or inf / inf in a block with inf)
         has_nan = tl.max(tl.max((w != w).to(tl.int32), axis=1), axis=0) > 0
@@ -717,22 +722,18 @@ def _alignment(t: torch.Tensor) -> int: return min(t.data_ptr() & -t.data_ptr(),
 QUANTIZE_128X128_DTYPES = (torch.bfloat16, torch.float16, torch.float32)   # the weights `quantize_128x128` reads
 QUANTIZE_128X128_WARPS = 8   # a 128x128 block in registers: 64 fp32 values per thread
 
-def _blocks_128x128(shape) -> tuple[int, int]:
-    "The scale shape of a weight (N, K) in 128x128 blocks: (N / 128, K / 128), each rounded up."
-    return math.ceil(shape[0] / KERNEL_BLOCK), math.ceil(shape[1] / KERNEL_BLOCK)
-
 def _fits_128x128(out: FP8Tensor, w2d: torch.Tensor, fmt: str) -> bool:
     "Whether `out` has the layout of `quantize_128x128(w2d, fmt)` (shapes, dtypes, device, block, format): it takes its bytes."
     G = KERNEL_BLOCK
     return ((tuple(out.block), out.fmt) == ((G, G), fmt) and out.data.shape == w2d.shape
-            and out.data.dtype == fp8_dtype(fmt) and tuple(out.scale.shape) == _blocks_128x128(w2d.shape)
+            and out.data.dtype == fp8_dtype(fmt) and tuple(out.scale.shape) == scale_shape(w2d.shape, (KERNEL_BLOCK, KERNEL_BLOCK))
             and out.scale.dtype == torch.float32 and out.data.device == out.scale.device == w2d.device)
 
 def _launch_quantize_128x128(w2d: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str):
     "The quantize_128x128 kernel over w2d's blocks, into data (N, K) and scale (N / 128, K / 128), any strides."
     (N, K), G = w2d.shape, KERNEL_BLOCK
     if N and K:
-        _kernels()["quantize_128x128"][_blocks_128x128(w2d.shape)](
+        _kernels()["quantize_128x128"][scale_shape(w2d.shape, (KERNEL_BLOCK, KERNEL_BLOCK))](
             w2d, data, scale, N, K, w2d.stride(0), w2d.stride(1), data.stride(0), data.stride(1), scale.stride(0),
             scale.stride(1), FP8_MAX=fp8_max(fmt), TINY=torch.finfo(torch.float32).tiny, G=G,
             WIDE=needs_64bit_offsets(w2d, data), num_warps=QUANTIZE_128X128_WARPS)
@@ -740,13 +741,13 @@ def _launch_quantize_128x128(w2d: torch.Tensor, data: torch.Tensor, scale: torch
 @eager_custom_op("jetrl::quantize_128x128", mutates_args=())
 def _quantize_128x128_op(w2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     data = torch.empty(w2d.shape, device=w2d.device, dtype=fp8_dtype(fmt))
-    scale = torch.empty(_blocks_128x128(w2d.shape), device=w2d.device, dtype=torch.float32)
+    scale = torch.empty(scale_shape(w2d.shape, (KERNEL_BLOCK, KERNEL_BLOCK)), device=w2d.device, dtype=torch.float32)
     _launch_quantize_128x128(w2d, data, scale, fmt)
     return data, scale
 
 @_quantize_128x128_op.register_fake
 def _(w2d, fmt):
-    return w2d.new_empty(w2d.shape, dtype=fp8_dtype(fmt)), w2d.new_empty(_blocks_128x128(w2d.shape), dtype=torch.float32)
+    return w2d.new_empty(w2d.shape, dtype=fp8_dtype(fmt)), w2d.new_empty(scale_shape(w2d.shape, (KERNEL_BLOCK, KERNEL_BLOCK)), dtype=torch.float32)
 
 @eager_custom_op("jetrl::quantize_128x128_into", mutates_args=("data", "scale"))
 def _quantize_128x128_into_op(w2d: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor) -> None:
@@ -767,7 +768,7 @@ def quantize_128x128(w2d: torch.Tensor, fmt: str = "e4m3", out: FP8Tensor | None
                          f"{tuple(w2d.shape)} and dtype {w2d.dtype}.")
     if out is not None and not _fits_128x128(out, w2d, fmt):
         raise ValueError(f"quantize_128x128: out must have the layout of the result, data {tuple(w2d.shape)} "
-                         f"{fp8_dtype(fmt)} and scale {_blocks_128x128(w2d.shape)} float32 on {w2d.device}, block "
+                         f"{fp8_dtype(fmt)} and scale {scale_shape(w2d.shape, (KERNEL_BLOCK, KERNEL_BLOCK))} float32 on {w2d.device}, block "
                          f"({KERNEL_BLOCK}, {KERNEL_BLOCK}), format {fmt!r}; got {out} with data {out.data.dtype} on "
                          f"{out.data.device} and scale {out.scale.dtype} on {out.scale.device}.")
     if not invariant_kernels_available(w2d.device):

@@ -254,8 +254,7 @@ def pin_dgrad_bytes(w_fp8: FP8Tensor, owner=None) -> torch.Tensor:
     if cached is not None and cached[0] == version:
         if owners is not cached[2]: w_fp8.data._jetrl_dgrad_bytes = (version, cached[1], owners)
         return cached[1]
-    if cached is not None and cached[1].shape == w_fp8.data.shape[::-1]:
-        buffer = cached[1]; buffer.copy_(w_fp8.data.t())              # in place: a captured backward reads this address
+    if cached is not None: buffer = cached[1]; buffer.copy_(w_fp8.data.t())   # in place: a captured backward reads it
     else: buffer = w_fp8.data.t().contiguous()
     w_fp8.data._jetrl_dgrad_bytes = (version, buffer, owners)
     return buffer
@@ -448,22 +447,22 @@ class FP8Linear(nn.Linear):
         by `quantize_128x128` straight into them where it runs (`quantize_weight`'s GPU path), else by a copy."""
         previous, recipe = self._synced, self.recipe
         # the previous tensors have the layout the kernel's result would have (`_same_layout` with it): written in place
-        in_place = (previous is not None and _weight_kernel_runs(self.weight, recipe, "fprop")
-                    and _fits_128x128(previous[2], self.weight, recipe.weight_fmt))
-        if in_place: fresh = quantize_128x128(self.weight.detach(), recipe.weight_fmt, out=previous[2])
-        else: fresh = quantize_weight(self.weight, recipe, "fprop")
-        scales_in_place = in_place and previous[3] is not None
-        if scales_in_place:                          # the kernel layout's scales: the new ones into its unpadded part
-            kernel_scale = previous[3]; kernel_scale[:, :fresh.scale.shape[1]].copy_(fresh.scale)
-        else: kernel_scale = kernel_weight_scale(fresh)
-        if previous is not None and _same_layout(previous[2], fresh):
-            if fresh is not previous[2]:
+        if (previous is not None and _weight_kernel_runs(self.weight, recipe, "fprop")
+                and _fits_128x128(previous[2], self.weight, recipe.weight_fmt)):
+            fresh = quantize_128x128(self.weight.detach(), recipe.weight_fmt, out=previous[2])
+            kernel_scale = previous[3]
+            if kernel_scale is None: kernel_scale = kernel_weight_scale(fresh)
+            else: kernel_scale[:, :fresh.scale.shape[1]].copy_(fresh.scale)   # its unpadded part: the padding stays ones
+        else:
+            fresh = quantize_weight(self.weight, recipe, "fprop")
+            kernel_scale = kernel_weight_scale(fresh)
+            if previous is not None and _same_layout(previous[2], fresh):
                 previous[2].data.copy_(fresh.data); previous[2].scale.copy_(fresh.scale); fresh = previous[2]
-            dgrad = getattr(fresh.data, "_jetrl_dgrad_bytes", None)
-            if dgrad is not None and not dgrad_pinned(dgrad):
-                fresh.data._jetrl_dgrad_bytes = None  # Dgrad's transposed copy is stale: freed now, remade by the next backward
-            if kernel_scale is not None and not scales_in_place and previous[3] is not None:
-                previous[3].copy_(kernel_scale); kernel_scale = previous[3]
+                if kernel_scale is not None and previous[3] is not None:
+                    previous[3].copy_(kernel_scale); kernel_scale = previous[3]
+        dgrad = getattr(fresh.data, "_jetrl_dgrad_bytes", None)
+        if dgrad is not None and not dgrad_pinned(dgrad):
+            fresh.data._jetrl_dgrad_bytes = None      # Dgrad's transposed copy is stale: freed now, remade by the next backward
         self._synced = (self.weight._version, recipe, fresh, kernel_scale)
         return fresh
 
