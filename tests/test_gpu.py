@@ -1224,8 +1224,10 @@ def test_weight_quantizer_kernel_gives_the_cpu_bits_and_is_faster(shape, fmt):
         oracle = quantize_unchecked(w.cpu(), (128, 128), fmt)
         assert torch.equal(fast.scale.cpu(), oracle.scale), f"{shape} {dtype} {fmt}: other scales"
         assert torch.equal(fast.data.cpu().view(torch.uint8), oracle.data.view(torch.uint8)), f"{shape} {dtype} {fmt}: other bytes"
-        into = quantize_128x128(w, fmt, out=fast)                       # the sync's in-place form: the same bits
-        assert into.data.data_ptr() == fast.data.data_ptr() and torch.equal(into.scale.cpu(), oracle.scale)
+        address, oracle = fast.data.data_ptr(), quantize_unchecked((2 * w).cpu(), (128, 128), fmt)
+        into = quantize_128x128(2 * w, fmt, out=fast)                   # the sync's in-place form: new bytes, same place
+        assert into.data.data_ptr() == address and torch.equal(into.scale.cpu(), oracle.scale)
+        assert torch.equal(into.data.cpu().view(torch.uint8), oracle.data.view(torch.uint8))
     if shape[0] * shape[1] < 2**24: return                              # time the 7B weights only
     w = w.to(torch.bfloat16)
     kernel_ms = graph_time_ms(lambda: quantize_128x128(w, fmt, out=fast))
