@@ -6,20 +6,20 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT',
-           'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN', 'gluon_decode', 'GLUON_DECODE_MIN_K_PER_N',
-           'SILU_MUL_ROWS', 'CUBLAS_MIN_ROWS', 'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS', 'CUBLAS_BLOCKWISE_LAYOUT',
-           'cublas_when_same_bits', 'cublas_at_decode', 'MAX_SHAPES_REMEMBERED', 'QUANTIZE_128X128_DTYPES',
-           'QUANTIZE_128X128_WARPS', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP', 'MAX_NORM_WARPS', 'SILU_BLOCK',
-           'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'fused_entropy', 'rotary_kernel', 'ROTARY_BLOCK_T',
-           'invariant_kernels_available', 'needs_64bit_offsets', 'quantize_1x128', 'fp8_gemm_invariant',
-           'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant',
-           'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2', 'attention_invariant', 'cublas_may_run',
-           'graph_time_ms', 'same_bits', 'fast_if_same_bits', 'cublas_where_same_bits', 'quantize_128x128',
-           'rms_norm_backward', 'silu_mul_backward', 'silu_mul_backward_quantized', 'backward_kernels',
-           'backward_kernels_active', 'InvariantRMSNorm', 'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8',
-           'silu_mul', 'silu_mul_quantized', 'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax',
-           'entropy_from_log_softmax', 'softmax_entropy', 'causal_key_mask', 'attend', 'rotate_half_kernel',
-           'use_invariant_kernels']
+           'GROUP_TILE_ROWS', 'DECODE_GROUP_TILE_ROWS', 'WIDE_DECODE_STRIP', 'WIDE_DECODE_PROGRAMS', 'TMA_ALIGN',
+           'gluon_decode', 'GLUON_DECODE_MIN_K_PER_N', 'CUBLAS_MIN_ROWS', 'CUBLAS_DECODE_MIN_ROWS', 'GRAPH_TIMED_CALLS',
+           'CUBLAS_BLOCKWISE_LAYOUT', 'cublas_when_same_bits', 'cublas_at_decode', 'MAX_SHAPES_REMEMBERED',
+           'QUANTIZE_128X128_DTYPES', 'QUANTIZE_128X128_WARPS', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP',
+           'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'fused_entropy',
+           'rotary_kernel', 'ROTARY_BLOCK_T', 'invariant_kernels_available', 'needs_64bit_offsets', 'group_tile_rows',
+           'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible',
+           'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2',
+           'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits',
+           'cublas_where_same_bits', 'quantize_128x128', 'rms_norm_backward', 'silu_mul_backward',
+           'silu_mul_backward_quantized', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm',
+           'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8', 'silu_mul', 'silu_mul_quantized',
+           'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax', 'entropy_from_log_softmax',
+           'softmax_entropy', 'causal_key_mask', 'attend', 'rotate_half_kernel', 'use_invariant_kernels']
 
 # %% ../nbs/00a_kernels.ipynb #38c7ca26
 from contextlib import contextmanager
@@ -361,6 +361,14 @@ def needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
     "Whether any tensor's farthest element lies at an offset a 32-bit index cannot reach (the kernels then use 64 bits)."
     return any(sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n) >= INT32_LIMIT for t in tensors)
 
+GROUP_TILE_ROWS = 16          # rows of one (rows x 128) tile of quantize_1x128 and the SiLU-mul over contiguous rows
+DECODE_GROUP_TILE_ROWS = 8    # and at decode's at most DECODE_MAX_ROWS rows: 0.2-0.4 us a call less on an H200 at
+                              # 128-256 rows (benchmarks/producer_quant.py, session 15); the bytes are any tile's
+
+def group_tile_rows(rows: int) -> int:
+    "Rows of one tile of quantize_1x128 and the SiLU-mul for an input of `rows` contiguous rows."
+    return DECODE_GROUP_TILE_ROWS if rows <= DECODE_MAX_ROWS else GROUP_TILE_ROWS
+
 def _fp8_buffers(rows: int, cols: int, device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     "Empty FP8 codes (rows, cols) and fp32 scales (rows, cols / 128 rounded up): a 1x128 quantizer's outputs."
     return (torch.empty(rows, cols, device=device, dtype=fp8_dtype(fmt)),
@@ -370,7 +378,7 @@ def _fp8_buffers(rows: int, cols: int, device, fmt: str) -> tuple[torch.Tensor, 
 def _quantize_1x128_op(x2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K), G = x2d.shape, KERNEL_BLOCK
     data, scale = _fp8_buffers(M, K, x2d.device, fmt)
-    block_m = 16 if x2d.stride(-1) == 1 else 64            # a transposed view: more rows per tile, shorter strided reads
+    block_m = group_tile_rows(M) if x2d.stride(-1) == 1 else 64   # a transposed view: more rows a tile, shorter strided reads
     if M and K:
         _kernels()["quantize_1x128"][(math.ceil(M / block_m), math.ceil(K / G))](
             x2d, data, scale, M, K, x2d.stride(0), x2d.stride(1), data.stride(0), scale.stride(0),
@@ -572,8 +580,6 @@ def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: s
     else: y, data, scale = _rms_norm_quantized_op(x, weight, eps, fmt)
     return y, FP8Tensor(data, scale, (1, KERNEL_BLOCK), fmt)
 
-SILU_MUL_ROWS = 16   # rows of one SiLU-mul tile (x 128 columns): quantize_1x128's tile of contiguous rows
-
 def _launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, fmt: str | None):
     "The silu_mul kernel: y (gate's shape), and with `fmt` y's 1x128 FP8 bytes and scales (2-D), else None."
     N = gate.shape[-1]
@@ -586,9 +592,10 @@ def _launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, fmt: str | None):
     data, scale = _fp8_buffers(M, N, gate.device, fmt) if fmt is not None else (None, None)
     if M and N:
         q, s = (data, scale) if fmt is not None else (y, y)
-        _kernels()["silu_mul"][(math.ceil(M / SILU_MUL_ROWS), math.ceil(N / KERNEL_BLOCK))](
+        block_m = group_tile_rows(M)                                  # quantize_1x128's tile of contiguous rows
+        _kernels()["silu_mul"][(math.ceil(M / block_m), math.ceil(N / KERNEL_BLOCK))](
             gate2d, up2d, y, q, s, M, N, gate2d.stride(0), up2d.stride(0), y.stride(0), q.stride(0), s.stride(0),
-            FP8_MAX=fp8_max(fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny, BLOCK_M=SILU_MUL_ROWS, G=KERNEL_BLOCK,
+            FP8_MAX=fp8_max(fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny, BLOCK_M=block_m, G=KERNEL_BLOCK,
             QUANTIZE=fmt is not None, WIDE=needs_64bit_offsets(gate2d, up2d, y), CUDA_EXP=not INTERPRETING)
     return y.reshape(gate.shape), data, scale
 

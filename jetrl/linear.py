@@ -165,9 +165,11 @@ def _fprop_sharing_input(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor |
 # copy over (False: the linears quantize it themselves, as before; to compare).
 quantize_in_producers = True
 
-# At decode's few rows a producer's kernel runs one program per row, and its FP8 pass adds latency rather than saving
-# bandwidth: on an H200 (7B, 128 rows, session 11's decode profile) the RMSNorm writing the copy took 5.5 us against
-# 2.2 + 2.3 us for the plain norm and `quantize_1x128`. Inputs of at most this many rows are quantized by the linears.
+# At decode's few rows the RMSNorm runs one program per row, and its FP8 pass adds latency rather than saving
+# bandwidth: on an H200 (7B, 128 rows; `benchmarks/producer_quant.py`, session 15) the norm writing the copy takes
+# 5.3 us against 2.3 + 2.4 us for the plain norm and `quantize_1x128`. A caller that passes its `rows` (the norm)
+# leaves inputs of at most this many rows to the linears. The SiLU-mul passes none: its tiles of rows and columns
+# write the copy in 6.2 us there, against ~5.5 + 3.7 us apart.
 PRODUCER_MAX_DECODE_ROWS = DECODE_MAX_ROWS
 
 def _fp8_recipes(linears: "list[nn.Module | None]", gemm: str) -> list[FP8Recipe] | None:
@@ -180,7 +182,8 @@ def producer_quantizer(linears: "list[nn.Module | None]", rows: int | None = Non
     """The recipe whose input quantizer the producer of these linears' one input may run for them: every linear is an
     FP8 linear whose Fprop quantizes x in 1x128 groups (`quantize_1x128`'s bytes), all with the same quantizer.
     None otherwise, and with `quantize_in_producers` off, under torch.compile or in inference mode (where no copy is
-    kept), or for an input of `rows` <= `PRODUCER_MAX_DECODE_ROWS` (decode): the linears quantize their input themselves."""
+    kept), or, where `rows` is given, for an input of `rows` <= `PRODUCER_MAX_DECODE_ROWS` (decode): the linears
+    quantize that input themselves."""
     if not quantize_in_producers or torch.compiler.is_compiling() or torch.is_inference_mode_enabled(): return None
     if rows is not None and rows <= PRODUCER_MAX_DECODE_ROWS: return None
     recipes = _fp8_recipes(linears, "fprop")

@@ -257,7 +257,7 @@ def _mlp(mlp: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     else: return mlp(x)
     if not _gated_silu(mlp): return mlp.down_proj(mlp.act_fn(gate) * up)
-    recipe = producer_quantizer([mlp.down_proj], math.prod(gate.shape[:-1]))
+    recipe = producer_quantizer([mlp.down_proj])             # at any rows (decode's too: `PRODUCER_MAX_DECODE_ROWS`)
     grad_fmt = dy_producer_format(_siblings(mlp, "jetrl_fused_gate_up")) if not fused else None   # gate's and up's dy
     if recipe is None or not invariant_kernels_available(gate.device): return mlp.down_proj(silu_mul(gate, up, grad_fmt))
     y, y_fp8 = silu_mul_quantized(gate, up, recipe.act_fmt, grad_fmt)

@@ -1018,6 +1018,9 @@ def test_softmax_entropy_kernel_matches_the_formula_and_is_faster(T, monkeypatch
 # norm then quantize_1x128 (62.6 vs 68.9 us: the quantizer's read of y is saved, the norm's own pass remains)
 SILU_MUL_QUANTIZED_MIN_SPEEDUP = 1.5
 RMS_NORM_QUANTIZED_MIN_SPEEDUP = 1.05
+# At decode's rows (session 15, test_gpu_session15_call4.txt): the SiLU-mul writing the copy 6.34 us against 7.69 us for
+# the plain kernel then quantize_1x128 at the 7B shape (1.21x), 4.39 against 5.70 us at the 0.5B shape (1.30x)
+DECODE_SILU_MUL_QUANTIZED_MIN_SPEEDUP = 1.1
 
 
 @cuda
@@ -1058,6 +1061,26 @@ def test_producer_quantizers_are_bitwise_and_faster(capsys):
               f"{1e3 * norm_fused:.1f} us, apart {1e3 * norm_apart_ms:.1f} us ({norm_apart_ms / norm_fused:.2f}x)")
     assert silu_apart >= SILU_MUL_QUANTIZED_MIN_SPEEDUP * silu_fused, (silu_fused, silu_apart)
     assert norm_apart_ms >= RMS_NORM_QUANTIZED_MIN_SPEEDUP * norm_fused, (norm_fused, norm_apart_ms)
+
+
+@cuda
+def test_decode_silu_mul_quantizes_in_its_pass(capsys):
+    """At the decode shapes (7B: 128 rows x 18944; 0.5B: 256 x 4864) the SiLU-mul writes its output's FP8 copy with the
+    plain kernel's y and quantize_1x128's bytes, in less GPU time than the plain kernel then the quantizer (decode's
+    down projection takes it since session 15; `jetrl.linear.PRODUCER_MAX_DECODE_ROWS`)."""
+    from jetrl.kernels import silu_mul, silu_mul_quantized, quantize_1x128, graph_time_ms
+    torch.manual_seed(0)
+    same = lambda a, b: torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    for shape in ((128, 18944), (256, 4864)):
+        gate, up = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        apart = lambda: quantize_1x128(silu_mul(gate, up))
+        y, y_fp8 = silu_mul_quantized(gate, up)
+        assert torch.equal(y, silu_mul(gate, up)) and same(y_fp8, apart()), shape
+        fused_ms, apart_ms = graph_time_ms(lambda: silu_mul_quantized(gate, up), rounds=5), graph_time_ms(apart, rounds=5)
+        with capsys.disabled():
+            print(f"\nSiLU-mul + FP8 at decode {shape}: one kernel {1e3 * fused_ms:.2f} us, the plain kernel then "
+                  f"quantize_1x128 {1e3 * apart_ms:.2f} us ({apart_ms / fused_ms:.2f}x)")
+        assert apart_ms >= DECODE_SILU_MUL_QUANTIZED_MIN_SPEEDUP * fused_ms, (shape, fused_ms, apart_ms)
 
 
 # The rotary embedding in one kernel (jetrl.kernels.rotate_half_kernel), forward and backward. Measured in session 11

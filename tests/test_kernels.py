@@ -31,6 +31,8 @@ from jetrl.kernels import (INTERPRETING, NORM_BACKWARD_PROGRAMS, _rms_norm_backw
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not invariant_kernels_available(DEVICE),
                                    reason="needs Triton: a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
+needs_cpu_kernels = pytest.mark.skipif(not invariant_kernels_available("cpu"),   # test_memory's model lives on the CPU
+                                       reason="a CPU model through the kernels: needs TRITON_INTERPRET=1")
 BF16_ULP_REL = 2**-7      # one bf16 ulp, relative to the value, at most (8 significant bits)
 DX_ULPS = 1               # dx: one rounding flip at most
 CANCELLATION_ABS = 1e-5   # of the largest |value|: fp32 differences left where a value nearly cancels
@@ -564,7 +566,7 @@ def handover_on_and_off(monkeypatch, switch: str, counted_call: tuple, checkpoin
     return runs[True][1], runs[False][1]
 
 
-@needs_kernels
+@needs_cpu_kernels
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_silu_mul_backward_hands_gate_and_up_their_dy(checkpointing, gpu_casts, monkeypatch):
     """A jet model's forward and backward with the SiLU-mul's backward quantizing gate's and up's dy
@@ -577,18 +579,23 @@ def test_silu_mul_backward_hands_gate_and_up_their_dy(checkpointing, gpu_casts, 
     assert (handed_over, own) == (5 * LAYERS, 7 * LAYERS)
 
 
-@needs_kernels
+@needs_cpu_kernels
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, gpu_casts, monkeypatch):
+@pytest.mark.parametrize("as_decode", [False, True])
+def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, as_decode, gpu_casts, monkeypatch):
     """A jet model's forward and backward with the norms and the SiLU-mul quantizing for their FP8 linears give the bits
     of the linears quantizing themselves (`quantize_in_producers = False`), and the linears' own quantizer runs only for
-    the inputs no producer of jetrl's makes (attention's output, for o_proj): one call per layer where it ran four."""
+    the inputs no producer of jetrl's makes (attention's output, for o_proj): one call per layer where it ran four.
+    This batch's 120 rows counted as decode's (`PRODUCER_MAX_DECODE_ROWS` as it is): the norms leave their inputs to
+    the linears, the SiLU-mul still writes the down projection's, three calls per layer."""
     import jetrl.linear as linear
-    from test_memory import LAYERS
-    monkeypatch.setattr(linear, "PRODUCER_MAX_DECODE_ROWS", 0)   # this batch's few rows quantized in the producers too
+    from test_memory import LAYERS, ROWS, SEQ
+    assert ROWS * SEQ <= linear.PRODUCER_MAX_DECODE_ROWS
+    if not as_decode: monkeypatch.setattr(linear, "PRODUCER_MAX_DECODE_ROWS", 0)   # these rows in the norms' kernels too
     handed_over, own = handover_on_and_off(monkeypatch, "quantize_in_producers", ("x", "fprop"), checkpointing)
     forwards = 2 if checkpointing else 1                     # a checkpointed layer runs its forward again in backward
-    assert (handed_over, own) == (LAYERS * forwards, 4 * LAYERS * forwards)
+    left_to_the_linears = 3 if as_decode else 1              # of a layer's four inputs
+    assert (handed_over, own) == (left_to_the_linears * LAYERS * forwards, 4 * LAYERS * forwards)
 
 
 # ---- the rotary embedding in one kernel ----
