@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Session 15's last device call: the headline steps again with the final code (a second sample of each ratio; the
-# 0.5B step twice, the one nearest its target).
+# Session 15's last device minutes: the 1x128 quantizer's formula keeping NaN visible (quantize_groups: a NaN-keeping
+# max and clamp, FMNMX.NAN for FMNMX in its SASS) checked on the GPU, and the producers' speed bounds with it.
 set -u
 OUT=${OUT:-benchmarks/results}
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-STEP="python benchmarks/grpo_step.py --strategies bf16,jet --out $OUT/grpo_step_h200.jsonl"
-timeout 80 $STEP --model qwen2-0.5b --cuda-graphs 2>&1 | grep "^{" | cut -c1-200
-timeout 110 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 2>&1 | grep "^{" | cut -c1-200
-timeout 80 $STEP --model qwen2-0.5b --cuda-graphs 2>&1 | grep "^{" | cut -c1-200
+export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+timeout 170 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
+  -k "keep_nan or keeps_nan or producer_quantizers or decode_silu or quantize_gpu_bytes or quantized_is or quantize_1x128" \
+  > $OUT/test_gpu_session15_call6.txt 2>&1
+grep -E "passed|failed|^FAILED|^ERROR|at decode|one kernel" $OUT/test_gpu_session15_call6.txt | cut -c1-240

@@ -59,7 +59,7 @@ def _kernels():
     import triton.language.extra.libdevice          # CUDA's own math functions (expf), as tl.extra.libdevice
     # jitted helpers the kernels call (the one quantization formula, its store of a gradient's FP8 copy) are module
     # globals: Triton's interpreter looks names up there only
-    global scale_of_amax, quantize_groups, store_groups_fp8
+    global scale_of_amax, max_keeping_nan, quantize_groups, store_groups_fp8
 
     @triton.jit
     def scale_of_amax(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
@@ -67,11 +67,19 @@ def _kernels():
         return tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)
 
     @triton.jit
+    def max_keeping_nan(a, b):
+        # torch's max: NaN if either is NaN (Triton's own max and maximum skip a NaN on the GPU)
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
     def quantize_groups(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
-        # quantize_1x128's formula on a (rows, 128) fp32 tile: the FP8 values (fp32, clamped) and each row's scale
-        amax = tl.max(tl.abs(y), axis=1)
+        # quantize_1x128's formula on a (rows, 128) fp32 tile: the FP8 values (fp32, clamped) and each row's scale. A
+        # NaN stays visible, as torch has it: its group's amax is NaN, so the scale is 1 (`NaN > 0` is false) and the
+        # clamp keeps it NaN; a diverged activation must not turn into finite FP8 codes
+        amax = tl.reduce(tl.abs(y), 1, max_keeping_nan)
         scale = scale_of_amax(amax, FP8_MAX, TINY)
-        return tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -FP8_MAX), FP8_MAX), scale
+        q = tl.maximum(tl.math.div_rn(y, scale[:, None]), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), scale
 
     @triton.jit
     def quantize_1x128(x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_x_col, stride_q, stride_scale,

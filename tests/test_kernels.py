@@ -754,6 +754,22 @@ def test_quantize_128x128_keeps_nan_and_inf_visible(dtype, fmt, gpu_casts):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_1x128_keeps_nan_and_inf_visible(fmt, gpu_casts):
+    """A 1x128 group holding NaN gets scale 1 and its NaN stays NaN (its other values clamped at scale 1), a group
+    holding inf gets scale inf, as quantize_unchecked has them. (The GPU twin in tests/test_gpu.py is the one that can
+    fail: there Triton's max skips a NaN.)"""
+    from jetrl.kernels import quantize_1x128
+    x = (torch.randn(40, 300, generator=torch.Generator().manual_seed(3)) * 500).to(torch.bfloat16)
+    x[3, 7] = x[30, 290] = float("nan"); x[11, 200], x[12, 5] = float("inf"), -float("inf")
+    got, want = quantize_1x128(x.to(DEVICE), fmt), quantize_unchecked(x, (1, 128), fmt)
+    assert torch.equal(got.scale.cpu(), want.scale) and want.scale[3, 0] == 1 and want.scale[11, 1] == float("inf")
+    got_values, want_values = got.data.cpu().float(), want.data.float()
+    assert torch.equal(got_values.isnan(), want_values.isnan())         # a NaN's sign bit may differ: its place may not
+    finite = ~want_values.isnan()
+    assert torch.equal(got.data.cpu().view(torch.uint8)[finite], want.data.view(torch.uint8)[finite])
+
+@needs_kernels
 def test_quantize_128x128_reads_strided_weights(gpu_casts):
     "A transposed view and a view with a row stride past K (a slice of a fused weight): the same bytes as a copy."
     w = weight((300, 520), torch.bfloat16).to(DEVICE)
