@@ -475,6 +475,13 @@ class FP8Linear(nn.Linear):
             return self._synced[2:]   # vouched for by the caller: no version check, so torch.compile traces straight through
         return self._checked_fp8_weight()
 
+    def synced_addresses(self) -> tuple:
+        """The recipe and the addresses of the synced FP8 weight's bytes, scales and kernel-layout scales: what a captured
+        CUDA graph reads (a sync in place keeps them; a recipe change or a first sync makes new tensors)."""
+        if self._synced is None: return self.recipe, None
+        w_fp8, kernel_scale = self._synced[2:]
+        return self.recipe, w_fp8.data.data_ptr(), w_fp8.scale.data_ptr(), None if kernel_scale is None else kernel_scale.data_ptr()
+
     @torch.compiler.disable      # the version counter is not traceable: under torch.compile this runs eagerly (a graph break)
     def _checked_fp8_weight(self) -> tuple:
         synced = self._synced_weight()

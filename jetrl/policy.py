@@ -291,8 +291,10 @@ class GraphedLogProbs:
     capture's own buffer, valid until its next call (the loss is taken from them at once). Without grad, a copy is
     returned. Before each replay every FP8Linear whose master weight changed is synced in place, as its first eager
     forward after an update would be, and with grad so is Dgrad's transposed copy of its FP8 weight where a capture's
-    backward reads it (`pin_dgrad_bytes`: one buffer per weight, pinned while this object lives). Each capture holds
-    its own buffers: with grad, a gradient of every parameter and the micro-batch's saved activations.
+    backward reads it (`pin_dgrad_bytes`: one buffer per weight, pinned while this object lives). A capture replays the
+    addresses it was made with: where a tensor it reads was replaced rather than updated in place (a parameter
+    assigned anew, a recipe changed), every capture is dropped and made again. Each capture holds its own buffers:
+    with grad, a gradient of every parameter and the micro-batch's saved activations.
     Where the forward is row-invariant (jet on a GPU, or `exact`) the padded log-probs are eager's bits; elsewhere
     (bf16's cuBLAS GEMMs see other row counts) they may differ in the last bits, as another micro-batch size would.
     The gradients are eager's at the padded width; under an FP8 recipe they differ from an unpadded call's at FP8's
@@ -315,11 +317,36 @@ class GraphedLogProbs:
                              "on the CPU (a CPU step has no launch cost to save).")
         if width_bucket < 1 or max_captures < 1:
             raise ValueError(f"width_bucket and max_captures must be >= 1, got {width_bucket} and {max_captures}.")
+        self._attach(model, width_bucket, max_captures)
+
+    def _attach(self, model: nn.Module, width_bucket: int, max_captures: int):
+        "The state of a holder of `model`'s captures (none yet)."
         from jetrl.linear import fp8_modules
         self.model, self.width_bucket, self.max_captures = model, width_bucket, max_captures
         self._graphs: dict = {}                              # key -> replay, least recently used first
         self._fp8 = [m for m in fp8_modules(model).values() if m.recipe.is_fp8("fprop")]
         self._params = [p for p in model.parameters() if p.requires_grad]
+        # where each parameter and buffer sits (its module's dict and name), read again at every call: a tensor assigned
+        # anew shows there (the engine's walk over the modules took 8.5 ms a call on the CPU at the 0.5B shape; this 1.4)
+        self._slots = [(d, name) for m in model.modules() for d in (m._parameters, m._buffers) for name in d]
+        self._read = None                                    # the addresses the captures read (`_addresses`)
+
+    def _addresses(self) -> tuple:
+        """What a capture reads besides its own buffers: the parameters and buffers, each FP8 linear's recipe and synced
+        FP8 weight, and Dgrad's pinned copies of them, by address."""
+        tensors = tuple(None if d.get(name) is None else d[name].data_ptr() for d, name in self._slots)
+        pinned = [getattr(m._synced[2].data, "_jetrl_dgrad_bytes", None) if m._synced is not None else None for m in self._fp8]
+        return tensors, tuple(m.synced_addresses() for m in self._fp8), tuple(None if c is None else c[1].data_ptr() for c in pinned)
+
+    def _drop_captures_of_replaced_tensors(self):
+        """Captures replay the addresses they were made with. Where a tensor they read was replaced, not updated in place
+        (a parameter assigned anew, a recipe changed, a checkpoint loaded into new tensors), they would read freed
+        memory: all are dropped, and the next calls capture again."""
+        addresses = self._addresses()
+        if addresses == self._read: return
+        for replay in self._graphs.values(): _freed(replay)
+        self._graphs.clear()
+        self._read = addresses
 
     def _sync_fp8_weights(self, grad: bool):
         "A stale FP8 weight re-quantized in place (the graphs read those bytes); with grad also Dgrad's copy of it."
@@ -371,6 +398,7 @@ class GraphedLogProbs:
                              "differentiated): call it under torch.no_grad(), or without with_entropy.")
         if attention_mask is None: attention_mask = torch.ones_like(input_ids)
         self._sync_fp8_weights(grad)
+        self._drop_captures_of_replaced_tensors()
         T = input_ids.shape[1]
         width = -(-T // self.width_bucket) * self.width_bucket
         ids, mask = _padded_right(input_ids, width), _padded_right(attention_mask, width)
@@ -380,6 +408,7 @@ class GraphedLogProbs:
         if replay is None:
             while len(self._graphs) >= self.max_captures: _freed(self._graphs.pop(next(iter(self._graphs))))  # the oldest
             replay = self._capture(ids, mask, grad, temperature, with_entropy)
+            self._read = self._addresses()                   # with the Dgrad copies its warm-up may have pinned
         self._graphs[key] = replay                           # now the most recently used
         if not grad: return replay(ids, mask, T - 1)
         _grads_allocated(self._params)

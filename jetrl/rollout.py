@@ -523,10 +523,7 @@ def weights_fingerprint(model: nn.Module) -> tuple:
     from jetrl.linear import FP8Linear
     parts = [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
     for m in model.modules():
-        if isinstance(m, FP8Linear):
-            synced = m._synced[2:] if m._synced is not None else None
-            parts += [m.recipe, None if synced is None else (synced[0].data.data_ptr(), synced[0].scale.data_ptr(),
-                                                             None if synced[1] is None else synced[1].data_ptr())]
+        if isinstance(m, FP8Linear): parts.append(m.synced_addresses())
         elif hasattr(m, "recipe"): parts.append(m.recipe)
         for attr in SIBLING_LINEARS:
             if hasattr(m, attr): parts += [t.data_ptr() for t in getattr(m, attr).tensors()]

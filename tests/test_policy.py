@@ -519,6 +519,38 @@ def test_graphed_log_probs_explain_what_they_need():
         GraphedLogProbs(model)
 
 
+def test_graphed_log_probs_drop_captures_whose_tensors_were_replaced():
+    """A capture replays the addresses it was made with (simulated on the CPU: a capture here is a replay stub). An
+    update in place keeps the captures; a parameter assigned anew or a recipe changed (new FP8 tensors) drops them all,
+    and the next call captures again from the new tensors."""
+    from jetrl.policy import GraphedLogProbs
+    from jetrl.linear import set_recipe
+    policy = Policy(tiny_model(), None, "jet", device="cpu")
+    graphed = GraphedLogProbs.__new__(GraphedLogProbs)                 # GraphedLogProbs(model) wants a GPU model
+    graphed._attach(policy.model, width_bucket=8, max_captures=4)
+    captures = []
+    def capture(ids, mask, grad, temperature, with_entropy):
+        captures.append(graphed._addresses())                          # what this capture would read
+        return lambda ids, mask, columns: token_log_probs(graphed.model, ids, mask)[:, :columns]
+    graphed._capture = capture
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        first = graphed(ids, mask)
+        torch.testing.assert_close(first, token_log_probs(policy.model, ids, mask), rtol=0, atol=0)
+        graphed(ids, mask)
+        assert len(captures) == 1                                       # one shape, one capture
+        for p in policy.model.parameters(): p.add_(1e-3)                # an optimizer step: in place
+        graphed(ids, mask)
+        assert len(captures) == 1 and graphed._addresses() == captures[0]
+        layer = policy.model.model.layers[0].mlp.up_proj
+        layer.weight = nn.Parameter(layer.weight.detach().clone())      # a parameter assigned anew
+        graphed(ids, mask)
+        assert len(captures) == 2 and captures[1] != captures[0]
+        set_recipe(policy.model, "rowwise")                             # new FP8 weights and scales
+        graphed(ids, mask)
+        assert len(captures) == 3 and len(graphed._graphs) == 1
+
+
 def test_graph_gradients_accumulate_over_micro_batches():
     """A graphed backward hands out its own gradient buffer (detached, as torch.cuda.make_graphed_callables does) and
     rewrites it at every replay. With `.grad` unset, autograd takes that buffer over as `.grad`, and two micro-batches
