@@ -59,7 +59,11 @@ def _kernels():
     import triton.language.extra.libdevice          # CUDA's own math functions (expf), as tl.extra.libdevice
     # jitted helpers the kernels call (the one quantization formula, its store of a gradient's FP8 copy) are module
     # globals: Triton's interpreter looks names up there only
-    global scale_of_amax, max_keeping_nan, quantize_groups, store_groups_fp8
+    global scale_of_amax, max_keeping_nan, quantize_groups, store_groups_fp8, NAN_KEEPING_REDUCE
+    # a group's amax keeping NaN: on a GPU one reduction by a NaN-keeping max (quantize_1x128's sm_90 SASS: FMNMX.NAN
+    # where FMNMX was); under Triton's interpreter, whose reduction with a combine function is a Python loop (10-16x
+    # slower), its own max and a NaN flag (the same amax)
+    NAN_KEEPING_REDUCE = tl.constexpr(not INTERPRETING)
 
     @triton.jit
     def scale_of_amax(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
@@ -76,7 +80,8 @@ def _kernels():
         # quantize_1x128's formula on a (rows, 128) fp32 tile: the FP8 values (fp32, clamped) and each row's scale. A
         # NaN stays visible, as torch has it: its group's amax is NaN, so the scale is 1 (`NaN > 0` is false) and the
         # clamp keeps it NaN; a diverged activation must not turn into finite FP8 codes
-        amax = tl.reduce(tl.abs(y), 1, max_keeping_nan)
+        if NAN_KEEPING_REDUCE: amax = tl.reduce(tl.abs(y), 1, max_keeping_nan)
+        else: amax = tl.where(tl.max((y != y).to(tl.int32), axis=1) > 0, float("nan"), tl.max(tl.abs(y), axis=1))
         scale = scale_of_amax(amax, FP8_MAX, TINY)
         q = tl.maximum(tl.math.div_rn(y, scale[:, None]), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         return tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), scale

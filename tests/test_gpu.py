@@ -1295,10 +1295,11 @@ def _same_fp8_but_nan_signs(got, want):
 @cuda
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_activation_quantizers_keep_nan_and_inf_visible(fmt):
-    """On the GPU Triton's max skips a NaN (the interpreter's does not: this is the test that can fail). A 1x128 group
-    holding NaN must get scale 1 and keep its NaN (its other values clamped at scale 1), one holding inf scale inf, as
-    the CPU quantizer gives them, from quantize_1x128 and from the producers that share its formula (the SiLU-mul, the
-    RMSNorm): a diverged activation must not turn into finite FP8 codes."""
+    """Triton's max and its minimum and maximum skip a NaN on the GPU (the interpreter's minimum and maximum keep it, and
+    the interpreter runs another form of the amax: this is the test of the GPU's form). A 1x128 group holding NaN must
+    get scale 1 and keep its NaN (its other values clamped at scale 1), one holding inf scale inf, as the CPU quantizer
+    gives them, from quantize_1x128 and from the producers that share its formula (the SiLU-mul, the RMSNorm): a
+    diverged activation must not turn into finite FP8 codes."""
     from jetrl.kernels import quantize_1x128, silu_mul_quantized, rms_norm_quantized
     x = (torch.randn(40, 300, generator=torch.Generator().manual_seed(3)) * 500).to(torch.bfloat16)
     x[3, 7] = x[30, 290] = float("nan"); x[11, 200], x[12, 5] = float("inf"), -float("inf")

@@ -578,7 +578,8 @@ def test_producer_quantizer_only_for_one_1x128_input_quantizer(monkeypatch):
     assert producer_quantizer([make(pow2)]) is None                             # the kernels do not round scales to 2^k
     no_fprop = dataclasses.replace(RECIPES["blockwise"], name="blockwise-bf16-fprop", fp8_gemms=("dgrad", "wgrad"))
     assert producer_quantizer([make(no_fprop)]) is None
-    # decode's few rows: the linears quantize (measured faster on an H200); the prefill's and the trainer's many rows: the producer
+    # a caller that passes its rows (the norm): at decode's few rows the linears quantize (measured faster on an H200);
+    # at the prefill's and the trainer's many rows the producer (the SiLU-mul passes none: it quantizes at any rows)
     assert producer_quantizer(blockwise, rows=linear.PRODUCER_MAX_DECODE_ROWS) is None
     assert producer_quantizer(blockwise, rows=linear.PRODUCER_MAX_DECODE_ROWS + 1) == RECIPES["blockwise"]
     monkeypatch.setattr(linear, "quantize_in_producers", False)
