@@ -18,8 +18,11 @@ OUT=${OUT:-benchmarks/results}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1     # the device notes' settings
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-timeout 330 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_grad_kernels.py -k "not past_2_31" > "$OUT/test_gpu_step.txt" 2>&1
-tail -5 "$OUT/test_gpu_step.txt"
+# SIGINT at the limit: pytest then stops and still prints its summary and the slowest tests (session 14's run past a
+# plain timeout left no summary line)
+timeout -s INT -k 20 330 python -m pytest -q -p no:cacheprovider --durations=15 tests/test_gpu.py tests/test_grad_kernels.py \
+  -k "not past_2_31" > "$OUT/test_gpu_step.txt" 2>&1
+grep -E "passed|failed|KeyboardInterrupt|s call" "$OUT/test_gpu_step.txt" | tail -18
 grep -E "^(FAILED|ERROR)" "$OUT/test_gpu_step.txt" | cut -c1-200
 STEP="python benchmarks/grpo_step.py --strategies bf16,jet --out $OUT/grpo_step_h200.jsonl"
 timeout 110 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 2>&1 | grep "^{" | cut -c1-260
