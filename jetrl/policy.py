@@ -333,10 +333,12 @@ class GraphedLogProbs:
 
     def _addresses(self) -> tuple:
         """What a capture reads besides its own buffers: the parameters and buffers, each FP8 linear's recipe and synced
-        FP8 weight, and Dgrad's pinned copies of them, by address."""
+        FP8 weight, and the Dgrad copies pinned for this object's captures, by address (a copy an eager backward made,
+        unpinned, is made anew at every update and read by no capture)."""
         tensors = tuple(None if d.get(name) is None else d[name].data_ptr() for d, name in self._slots)
-        pinned = [getattr(m._synced[2].data, "_jetrl_dgrad_bytes", None) if m._synced is not None else None for m in self._fp8]
-        return tensors, tuple(m.synced_addresses() for m in self._fp8), tuple(None if c is None else c[1].data_ptr() for c in pinned)
+        cached = [getattr(m._synced[2].data, "_jetrl_dgrad_bytes", None) if m._synced is not None else None for m in self._fp8]
+        pinned = tuple(c[1].data_ptr() if dgrad_pinned(c) and self in c[2] else None for c in cached)
+        return tensors, tuple(m.synced_addresses() for m in self._fp8), pinned
 
     def _drop_captures_of_replaced_tensors(self):
         """Captures replay the addresses they were made with. Where a tensor they read was replaced, not updated in place

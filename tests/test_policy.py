@@ -521,8 +521,10 @@ def test_graphed_log_probs_explain_what_they_need():
 
 def test_graphed_log_probs_drop_captures_whose_tensors_were_replaced():
     """A capture replays the addresses it was made with (simulated on the CPU: a capture here is a replay stub). An
-    update in place keeps the captures; a parameter assigned anew or a recipe changed (new FP8 tensors) drops them all,
-    and the next call captures again from the new tensors."""
+    update in place keeps the captures, and so does an unpinned Dgrad copy (an eager backward's); a parameter assigned
+    anew, a pinned Dgrad copy in another buffer or a recipe changed (new FP8 tensors) drops them all, and the next
+    call captures again from the new tensors."""
+    import weakref
     from jetrl.policy import GraphedLogProbs
     from jetrl.linear import set_recipe
     policy = Policy(tiny_model(), None, "jet", device="cpu")
@@ -546,9 +548,16 @@ def test_graphed_log_probs_drop_captures_whose_tensors_were_replaced():
         layer.weight = nn.Parameter(layer.weight.detach().clone())      # a parameter assigned anew
         graphed(ids, mask)
         assert len(captures) == 2 and captures[1] != captures[0]
+        w = graphed._fp8[0]._synced[2].data                             # Dgrad's transposed copy cached on the bytes:
+        w._jetrl_dgrad_bytes = (w._version, torch.empty(3), None)       # an eager backward's, unpinned: read by no capture
+        graphed(ids, mask)
+        assert len(captures) == 2
+        w._jetrl_dgrad_bytes = (w._version, torch.empty(3), weakref.WeakSet([graphed]))   # pinned for these captures,
+        graphed(ids, mask)                                                                # now in another buffer
+        assert len(captures) == 3
         set_recipe(policy.model, "rowwise")                             # new FP8 weights and scales
         graphed(ids, mask)
-        assert len(captures) == 3 and len(graphed._graphs) == 1
+        assert len(captures) == 4 and len(graphed._graphs) == 1
 
 
 def test_graph_gradients_accumulate_over_micro_batches():
