@@ -664,6 +664,8 @@ def test_graphed_log_probs_equal_eager_across_updates(strategy):
     policy = _qwen2_05b_policy(strategy, exact=False, layers=4)
     policy.model.gradient_checkpointing_enable(); policy.model.train()
     graphed = GraphedLogProbs(policy.model)
+    captured, capture = [], graphed._capture
+    graphed._capture = lambda *args: captured.append(args[2]) or capture(*args)     # args[2]: with grad
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(10, policy.model.config.vocab_size, (8, 256), generator=g).cuda() for _ in range(2)]
@@ -693,7 +695,8 @@ def test_graphed_log_probs_equal_eager_across_updates(strategy):
         with torch.no_grad():
             assert torch.equal(graphed(batches[0], mask), token_log_probs(policy.model, batches[0], mask))
         optimizer.step(); optimizer.zero_grad()
-    assert len(graphed._graphs) == 2                                  # one capture with grad, one without: reused
+    assert len(graphed._graphs) == 2                                  # one capture with grad, one without: reused,
+    assert captured == [True, False], captured                         # never dropped by the address check and made again
 
 
 @cuda
