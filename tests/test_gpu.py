@@ -1318,8 +1318,9 @@ def test_activation_quantizers_keep_nan_and_inf_visible(fmt):
 @cuda
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_weight_quantizer_kernel_keeps_nan_and_inf_visible(fmt):
-    """On the GPU Triton's max skips a NaN (the interpreter's does not: this is the test that can fail): a weight block
-    holding NaN must get scale 1 and keep its NaN, one holding inf scale inf, as the CPU quantizer gives them."""
+    """On the GPU Triton's max, minimum and maximum skip a NaN (the interpreter's minimum and maximum keep it: this is
+    the test of the GPU's clamp): a weight block holding NaN must get scale 1 and keep its NaN, one holding inf scale
+    inf, as the CPU quantizer gives them."""
     from jetrl.kernels import quantize_128x128
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         w = torch.randn(256, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
