@@ -59,10 +59,11 @@ def _kernels():
     import triton.language.extra.libdevice          # CUDA's own math functions (expf), as tl.extra.libdevice
     # jitted helpers the kernels call (the one quantization formula, its store of a gradient's FP8 copy) are module
     # globals: Triton's interpreter looks names up there only
-    global scale_of_amax, max_keeping_nan, quantize_groups, store_groups_fp8, NAN_KEEPING_REDUCE
-    # a group's amax keeping NaN: on a GPU one reduction by a NaN-keeping max (quantize_1x128's sm_90 SASS: FMNMX.NAN
-    # where FMNMX was); under Triton's interpreter, whose reduction with a combine function is a Python loop (10-16x
-    # slower), its own max and a NaN flag (the same amax)
+    global scale_of_amax, max_keeping_nan, amax_keeping_nan, clamp_keeping_nan, quantize_groups, store_groups_fp8
+    global NAN_KEEPING_REDUCE
+    # an amax keeping NaN: on a GPU one reduction by a NaN-keeping max (quantize_1x128's sm_90 SASS: FMNMX.NAN where
+    # FMNMX was); under Triton's interpreter, whose reduction with a combine function is a Python loop (10-16x slower),
+    # its own max and a NaN flag (the same amax)
     NAN_KEEPING_REDUCE = tl.constexpr(not INTERPRETING)
 
     @triton.jit
@@ -76,15 +77,24 @@ def _kernels():
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
+    def amax_keeping_nan(x, axis: tl.constexpr):
+        # max |x| along `axis`, NaN where a NaN is there, as torch's amax (Triton's own max skips a NaN on the GPU)
+        if NAN_KEEPING_REDUCE: return tl.reduce(tl.abs(x), axis, max_keeping_nan)
+        return tl.where(tl.max((x != x).to(tl.int32), axis=axis) > 0, float("nan"), tl.max(tl.abs(x), axis=axis))
+
+    @triton.jit
+    def clamp_keeping_nan(q, FP8_MAX: tl.constexpr):
+        # q clamped to the format's range, a NaN kept NaN (Triton's minimum and maximum would make it finite on the GPU)
+        return tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                          propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
     def quantize_groups(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
         # quantize_1x128's formula on a (rows, 128) fp32 tile: the FP8 values (fp32, clamped) and each row's scale. A
         # NaN stays visible, as torch has it: its group's amax is NaN, so the scale is 1 (`NaN > 0` is false) and the
         # clamp keeps it NaN; a diverged activation must not turn into finite FP8 codes
-        if NAN_KEEPING_REDUCE: amax = tl.reduce(tl.abs(y), 1, max_keeping_nan)
-        else: amax = tl.where(tl.max((y != y).to(tl.int32), axis=1) > 0, float("nan"), tl.max(tl.abs(y), axis=1))
-        scale = scale_of_amax(amax, FP8_MAX, TINY)
-        q = tl.maximum(tl.math.div_rn(y, scale[:, None]), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        return tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), scale
+        scale = scale_of_amax(amax_keeping_nan(y, 1), FP8_MAX, TINY)
+        return clamp_keeping_nan(tl.math.div_rn(y, scale[:, None]), FP8_MAX), scale
 
     @triton.jit
     def quantize_1x128(x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_x_col, stride_q, stride_scale,
@@ -114,14 +124,10 @@ def _kernels():
         if WIDE: rows, cols = rows.to(tl.int64), cols.to(tl.int64)     # offsets past 2^31 elements
         ok = (rows < N)[:, None] & (cols < K)[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :] * stride_w_col, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)                 # a max: the same in any order
-        scale = scale_of_amax(amax, FP8_MAX, TINY)
-        # a NaN weight (a diverged update) stays visible, as torch has it: Triton's max skips a NaN where torch's amax
-        # returns it (and `NaN > 0` gives scale 1), and the clamp keeps NaN (from NaN, or inf / inf in a block with inf)
-        has_nan = tl.max(tl.max((w != w).to(tl.int32), axis=1), axis=0) > 0
-        scale = tl.where(has_nan, 1.0, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                       propagate_nan=tl.PropagateNan.ALL)
+        # a max, the same in any order; a NaN weight (a diverged update) stays visible, as torch has it: the block's
+        # amax is NaN, so its scale is 1, and the clamp keeps NaN (from NaN, or inf / inf in a block with inf)
+        scale = scale_of_amax(amax_keeping_nan(amax_keeping_nan(w, 1), 0), FP8_MAX, TINY)
+        q = clamp_keeping_nan(tl.math.div_rn(w, scale), FP8_MAX)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :] * stride_q_col, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + block_n * stride_scale + block_k * stride_scale_col, scale)
 
