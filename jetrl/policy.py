@@ -336,9 +336,13 @@ class GraphedLogProbs:
         FP8 weight, and the Dgrad copies pinned for this object's captures, by address (a copy an eager backward made,
         unpinned, is made anew at every update and read by no capture)."""
         tensors = tuple(None if d.get(name) is None else d[name].data_ptr() for d, name in self._slots)
-        cached = [getattr(m._synced[2].data, "_jetrl_dgrad_bytes", None) if m._synced is not None else None for m in self._fp8]
-        pinned = tuple(c[1].data_ptr() if dgrad_pinned(c) and self in c[2] else None for c in cached)
-        return tensors, tuple(m.synced_addresses() for m in self._fp8), pinned
+        pinned = [self._pinned_dgrad_copy(m._synced[2]) if m._synced is not None else None for m in self._fp8]
+        return tensors, tuple(m.synced_addresses() for m in self._fp8), tuple(None if c is None else c[1].data_ptr() for c in pinned)
+
+    def _pinned_dgrad_copy(self, w_fp8) -> tuple | None:
+        "Dgrad's cached transposed copy of `w_fp8` (version, buffer, owners) where it is pinned for this object's captures."
+        cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
+        return cached if dgrad_pinned(cached) and self in cached[2] else None
 
     def _drop_captures_of_replaced_tensors(self):
         """Captures replay the addresses they were made with. Where a tensor they read was replaced, not updated in place
@@ -357,8 +361,7 @@ class GraphedLogProbs:
             # Dgrad's transposed bytes, one buffer per weight that a capture's backward read (pinned by its warm-up,
             # `pinning_dgrad_bytes`), rewritten here after an update: the backward graphs read it, instead of each
             # replay copying every weight again (measured at 0.5B: 7 FP8 copies a layer)
-            cached = getattr(w_fp8.data, "_jetrl_dgrad_bytes", None)
-            if grad and dgrad_pinned(cached) and self in cached[2]: pin_dgrad_bytes(w_fp8)
+            if grad and self._pinned_dgrad_copy(w_fp8): pin_dgrad_bytes(w_fp8)
 
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool, temperature: float,
                  with_entropy: bool):
