@@ -337,7 +337,8 @@ class GraphedLogProbs:
         unpinned, is made anew at every update and read by no capture)."""
         tensors = tuple(None if d.get(name) is None else d[name].data_ptr() for d, name in self._slots)
         pinned = [self._pinned_dgrad_copy(m._synced[2]) if m._synced is not None else None for m in self._fp8]
-        return tensors, tuple(m.synced_addresses() for m in self._fp8), tuple(None if c is None else c[1].data_ptr() for c in pinned)
+        pinned = tuple(None if c is None else c[1].data_ptr() for c in pinned)
+        return tensors, tuple(m.synced_addresses() for m in self._fp8), pinned
 
     def _pinned_dgrad_copy(self, w_fp8) -> tuple | None:
         "Dgrad's cached transposed copy of `w_fp8` (version, buffer, owners) where it is pinned for this object's captures."
