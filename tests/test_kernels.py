@@ -736,6 +736,15 @@ def test_quantize_128x128_special_blocks(dtype, fmt, gpu_casts):
     assert_same_weight_fp8(w_fp8, w, fmt)
 
 
+def assert_same_fp8_but_nan_signs(got, want):
+    "The CPU quantizer's scales and bytes, NaN in the same places (a NaN's sign bit may differ: its place may not)."
+    assert torch.equal(got.scale.cpu(), want.scale)
+    got_values, want_values = got.data.cpu().float(), want.data.float()
+    assert torch.equal(got_values.isnan(), want_values.isnan())
+    finite = ~want_values.isnan()
+    assert torch.equal(got.data.cpu().view(torch.uint8)[finite], want.data.view(torch.uint8)[finite])
+
+
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -745,11 +754,7 @@ def test_quantize_128x128_keeps_nan_and_inf_visible(dtype, fmt, gpu_casts):
     w = torch.randn(256, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
     w[5, 7] = w[140, 10] = float("nan"); w[130, 200], w[200, 290] = float("inf"), -float("inf")
     got, want = quantize_128x128(w.to(DEVICE), fmt), quantize_unchecked(w, (128, 128), fmt)
-    assert torch.equal(got.scale.cpu(), want.scale)
-    got_values, want_values = got.data.cpu().float(), want.data.float()
-    assert torch.equal(got_values.isnan(), want_values.isnan())         # a NaN's sign bit may differ: its place may not
-    finite = ~want_values.isnan()
-    assert torch.equal(got.data.cpu().view(torch.uint8)[finite], want.data.view(torch.uint8)[finite])
+    assert_same_fp8_but_nan_signs(got, want)
 
 
 
@@ -765,11 +770,8 @@ def test_quantize_1x128_keeps_nan_and_inf_visible(fmt, rows, gpu_casts):
     x = (torch.randn(rows, 300, generator=torch.Generator().manual_seed(3)) * 500).to(torch.bfloat16)
     x[3, 7] = x[30, 290] = float("nan"); x[11, 200], x[12, 5] = float("inf"), -float("inf")
     got, want = quantize_1x128(x.to(DEVICE), fmt), quantize_unchecked(x, (1, 128), fmt)
-    assert torch.equal(got.scale.cpu(), want.scale) and want.scale[3, 0] == 1 and want.scale[11, 1] == float("inf")
-    got_values, want_values = got.data.cpu().float(), want.data.float()
-    assert torch.equal(got_values.isnan(), want_values.isnan())         # a NaN's sign bit may differ: its place may not
-    finite = ~want_values.isnan()
-    assert torch.equal(got.data.cpu().view(torch.uint8)[finite], want.data.view(torch.uint8)[finite])
+    assert want.scale[3, 0] == 1 and want.scale[11, 1] == float("inf")          # the cases are there
+    assert_same_fp8_but_nan_signs(got, want)
 
 @needs_kernels
 def test_quantize_128x128_reads_strided_weights(gpu_casts):
