@@ -1286,15 +1286,6 @@ def test_ranks_fp8_sync_gives_the_trainers_weight_bytes(shape):
     assert torch.equal(data, trainer.data.view(torch.uint8))
 
 
-def _same_fp8_but_nan_signs(got, want):
-    "The CPU quantizer's scales and bytes, NaN in the same places (a NaN's sign bit may differ: its place may not)."
-    assert torch.equal(got.scale.cpu(), want.scale)
-    got_values, want_values = got.data.cpu().float(), want.data.float()
-    assert torch.equal(got_values.isnan(), want_values.isnan())
-    finite = ~want_values.isnan()
-    assert torch.equal(got.data.cpu().view(torch.uint8)[finite], want.data.view(torch.uint8)[finite])
-
-
 @cuda
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_activation_quantizers_keep_nan_and_inf_visible(fmt):
@@ -1304,15 +1295,16 @@ def test_activation_quantizers_keep_nan_and_inf_visible(fmt):
     gives them, from quantize_1x128 and from the producers that share its formula (the SiLU-mul, the RMSNorm): a
     diverged activation must not turn into finite FP8 codes."""
     from jetrl.kernels import quantize_1x128, silu_mul_quantized, rms_norm_quantized
+    from test_kernels import assert_same_fp8_but_nan_signs
     x = (torch.randn(40, 300, generator=torch.Generator().manual_seed(3)) * 500).to(torch.bfloat16)
     x[3, 7] = x[30, 290] = float("nan"); x[11, 200], x[12, 5] = float("inf"), -float("inf")
-    _same_fp8_but_nan_signs(quantize_1x128(x.cuda(), fmt), quantize_unchecked(x, (1, 128), fmt))
+    assert_same_fp8_but_nan_signs(quantize_1x128(x.cuda(), fmt), quantize_unchecked(x, (1, 128), fmt))
     up = torch.ones_like(x).cuda()
     y, y_fp8 = silu_mul_quantized(x.cuda(), up, fmt)
-    _same_fp8_but_nan_signs(y_fp8, quantize_unchecked(y.cpu(), (1, 128), fmt))
+    assert_same_fp8_but_nan_signs(y_fp8, quantize_unchecked(y.cpu(), (1, 128), fmt))
     y, y_fp8 = rms_norm_quantized(x.cuda(), torch.ones(300, device="cuda"), 1e-6, fmt)
     assert y[3].isnan().all()                                        # a NaN in a row makes its whole norm NaN
-    _same_fp8_but_nan_signs(y_fp8, quantize_unchecked(y.cpu(), (1, 128), fmt))
+    assert_same_fp8_but_nan_signs(y_fp8, quantize_unchecked(y.cpu(), (1, 128), fmt))
 
 
 @cuda
@@ -1322,7 +1314,8 @@ def test_weight_quantizer_kernel_keeps_nan_and_inf_visible(fmt):
     the test of the GPU's clamp): a weight block holding NaN must get scale 1 and keep its NaN, one holding inf scale
     inf, as the CPU quantizer gives them."""
     from jetrl.kernels import quantize_128x128
+    from test_kernels import assert_same_fp8_but_nan_signs
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         w = torch.randn(256, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
         w[5, 7] = w[140, 10] = float("nan"); w[130, 200], w[200, 290] = float("inf"), -float("inf")
-        _same_fp8_but_nan_signs(quantize_128x128(w.cuda(), fmt), quantize_unchecked(w, (128, 128), fmt))
+        assert_same_fp8_but_nan_signs(quantize_128x128(w.cuda(), fmt), quantize_unchecked(w, (128, 128), fmt))
