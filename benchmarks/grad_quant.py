@@ -15,8 +15,8 @@ overhead: Python, the custom op, the FP8Tensor), and `_graph_ms` as the GPU's ti
 graph, replayed; repeated calls read the same input, so one that fits the H200's 50 MB L2, as dy at N=512 does,
 can show more than HBM's bandwidth). --sweep also times the dual quantizer at every launch of
 `jetrl.grad_kernels.LAUNCH_CANDIDATES` (form: one-pass tile or two-pass chunks, warps, register cap) and the requantizer
-at every launch of the same table, checks each one's bytes against the old passes, to choose DUAL_LAUNCH /
-REQUANTIZE_LAUNCH; it prints two compact tables per shape.
+at every launch of `REQUANTIZE_CANDIDATES` (the same, and tiles of fewer columns), checks each one's bytes against the
+old passes, to choose DUAL_LAUNCH / REQUANTIZE_LAUNCH; it prints two compact tables per shape.
 """
 import argparse, json, sys
 import torch
@@ -113,7 +113,7 @@ def launch_name(launch: dict) -> str:
 
 
 def sweep(M: int, K: int, N: int) -> list[dict]:
-    """The dual quantizer and the requantizer at every launch of LAUNCH_CANDIDATES:
+    """The dual quantizer at every launch of LAUNCH_CANDIDATES, the requantizer at every one of REQUANTIZE_CANDIDATES:
     one row per (kernel, launch) with eager and graph ms, GB/s of the graph time, and whether the bytes equal the old
     passes'. The tables are restored afterwards."""
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def sweep(M: int, K: int, N: int) -> list[dict]:
         "dual": (grad_kernels.DUAL_LAUNCH, grad_kernels.LAUNCH_CANDIDATES, dual,
                  lambda: all(map(same_bytes, dual(), (want_dgrad, want_wgrad))),
                  M * N * 4 + 4 * M * -(-N // 128) + 4 * N * -(-M // 128)),
-        "requantize": (grad_kernels.REQUANTIZE_LAUNCH, grad_kernels.LAUNCH_CANDIDATES, requantize,
+        "requantize": (grad_kernels.REQUANTIZE_LAUNCH, grad_kernels.REQUANTIZE_CANDIDATES, requantize,
                        lambda: same_bytes(requantize(), want_x), M * K * 2 + 4 * M * -(-K // 128) + 4 * K * -(-M // 128)),
     }
     rows = []
@@ -149,7 +149,7 @@ def sweep(M: int, K: int, N: int) -> list[dict]:
 
 
 def print_sweep(rows: list[dict]):
-    for kernel, candidates in (("dual", "LAUNCH_CANDIDATES"), ("requantize", "LAUNCH_CANDIDATES")):
+    for kernel, candidates in (("dual", "LAUNCH_CANDIDATES"), ("requantize", "REQUANTIZE_CANDIDATES")):
         print(f"  {kernel + ' (' + candidates + ')':40} {'ms':>8} {'graph ms':>9} {'GB/s':>6}  bytes")
         for r in (r for r in rows if r["kernel"] == kernel):
             verdict = "FAILED " + r["error"] if "error" in r else "equal" if r["bytes_equal"] else "DIFFER"
@@ -163,7 +163,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=10240, help="M: rows of a micro-batch (16 x 640 by default)")
     p.add_argument("--shapes", default=QWEN2_7B, help="comma-separated KxN of the linears")
     p.add_argument("--sweep", action="store_true",
-                   help="also time both kernels at every launch of LAUNCH_CANDIDATES (bytes checked)")
+                   help="also time the dual quantizer at every launch of LAUNCH_CANDIDATES, the requantizer at every one of "
+                        "REQUANTIZE_CANDIDATES (bytes checked)")
     p.add_argument("--out", help="append one JSON line per shape to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")

@@ -212,16 +212,21 @@ def _pad_scale(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if scale.shape == (rows, cols): return scale
     return F.pad(scale, (0, cols - scale.shape[1], 0, rows - scale.shape[0]), value=1.0)
 
-def _column_major(t: torch.Tensor) -> torch.Tensor: return t.t().contiguous().t()
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    "2-D `t` stored column-major (strides (1, rows)): `t` itself, no copy, where it is already."
+    return t.t().contiguous().t()
 
-# inputs arrive contiguous (K-major) from the compiled quantizers: inductor must not pick other strides
-_CONTIGUOUS_INPUTS = getattr(torch.Tag, "needs_contiguous_strides", torch.Tag.needs_fixed_stride_order)
+# inputs keep the strides they were made in (jetrl's quantizers write the activations' scales column-major, as the
+# kernel reads them): under torch.compile inductor must not make them contiguous, which would cost a copy there and
+# the copy back here
+_EXACT_STRIDES = getattr(torch.Tag, "needs_exact_strides", torch.Tag.needs_fixed_stride_order)
 
-@eager_custom_op("jetrl::fp8_gemm", mutates_args=(), tags=(_CONTIGUOUS_INPUTS,))
+@eager_custom_op("jetrl::fp8_gemm", mutates_args=(), tags=(_EXACT_STRIDES,))
 def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, bt_data: torch.Tensor, bt_scale: torch.Tensor,
               layout: str, out_dtype: torch.dtype) -> torch.Tensor:
     """The real FP8 GEMM `a @ bt.T`, both operands given K-major: a (M, K) and bt (N, K), each with its
-    scales in the same (row, K) orientation. The kernel's layouts are made here, from contiguous inputs."""
+    scales in the same (row, K) orientation. The kernel's layouts are made here: contiguous data, and 1x128 scales
+    column-major (`_column_major`, no copy where the quantizer wrote them so, as jetrl's GPU quantizers do)."""
     from torch.nn.functional import scaled_mm, ScalingType
     (M, K), N = a_data.shape, bt_data.shape[0]
     if layout in ("tensorwise", "rowwise"):
@@ -231,12 +236,12 @@ def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, bt_data: torch.Tensor
     G = KERNEL_BLOCK
     Mp, Kp, Np = _round_up(M, KERNEL_ROW_ALIGN), _round_up(K, G), _round_up(N, G)   # small M (decode) stays small
     a_data, bt_data = _pad_fp8(a_data.contiguous(), Mp, Kp), _pad_fp8(bt_data.contiguous(), Np, Kp)
-    a_scale = _pad_scale(a_scale, Mp, Kp // G).t().contiguous().t()                   # (M, K/G), K-major
+    a_scale = _column_major(_pad_scale(a_scale, Mp, Kp // G))                          # (M, K/G), M contiguous
     if layout == "blockwise_1x128_128x128":                                           # (L4, N/G), K-major, L4 = K/G
         bt_scale = _pad_scale(bt_scale, Np // G, _round_up(Kp // G, 4)).contiguous().t()  # rounded up to 4
         b_recipe = ScalingType.BlockWise128x128
     else:
-        bt_scale = _pad_scale(bt_scale, Np, Kp // G).t().contiguous().t()             # (N, K/G), K-major
+        bt_scale = _column_major(_pad_scale(bt_scale, Np, Kp // G))                    # (N, K/G), N contiguous
         b_recipe = ScalingType.BlockWise1x128
     out = scaled_mm(a_data, bt_data.t(), a_scale, ScalingType.BlockWise1x128, bt_scale, b_recipe, output_dtype=out_dtype)
     return out[:M, :N].contiguous()

@@ -96,7 +96,7 @@ def _overlapped_kernel():
 
     @gluon.jit
     def fp8_gemm_overlapped(a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, BLOCKS, stride_a_scale,
-                            stride_w_scale, stride_out, HAS_BIAS: gl.constexpr, COL_GROUPS: gl.constexpr,
+                            stride_a_scale_col, stride_w_scale, stride_out, HAS_BIAS: gl.constexpr, COL_GROUPS: gl.constexpr,
                             UNROLL: gl.constexpr, TAIL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         # BLOCKS = ceil(K / 128) K blocks: BLOCKS // UNROLL chunks of UNROLL (a runtime loop), then TAIL = BLOCKS % UNROLL
         G: gl.constexpr = a_desc.block_type.shape[1]
@@ -129,7 +129,7 @@ def _overlapped_kernel():
         a_scales = ()          # the chunk's scales, loaded one chunk ahead (a load's latency is many products long)
         w_scales = ()
         for j in gl.static_range(UNROLL):
-            a_scales = a_scales + (gl.load(a_scale_rows + j, mask=row_ok & (j < BLOCKS), other=0.0), )
+            a_scales = a_scales + (gl.load(a_scale_rows + j * stride_a_scale_col, mask=row_ok & (j < BLOCKS), other=0.0), )
             w_scales = w_scales + (gl.load(w_scale_row + j, mask=j < BLOCKS, other=0.0), )
         for chunk in range(BLOCKS // UNROLL):
             a_next = ()
@@ -138,7 +138,7 @@ def _overlapped_kernel():
                 kb = chunk * UNROLL + j
                 if j % 2 == 0: following = issue_product(a_ring, w_ring, ready, kb, even)
                 else: following = issue_product(a_ring, w_ring, ready, kb, odd)
-                a_next = a_next + (gl.load(a_scale_rows + kb + UNROLL, mask=row_ok & (kb + UNROLL < BLOCKS),
+                a_next = a_next + (gl.load(a_scale_rows + (kb + UNROLL) * stride_a_scale_col, mask=row_ok & (kb + UNROLL < BLOCKS),
                                            other=0.0), )
                 w_next = w_next + (gl.load(w_scale_row + kb + UNROLL, mask=kb + UNROLL < BLOCKS, other=0.0), )
                 if j > 0:      # block kb - 1's product, with block kb's still running
@@ -221,7 +221,7 @@ def launch_decode_overlapped(a_data, a_scale, w_data, w_scale, bias, out, tile: 
     grid = (math.ceil(M / tile.rows) * math.ceil(N / tile.cols), )
     _overlapped_kernel()[grid](
         _descriptor(a_data, tile.rows), _descriptor(w_data, tile.cols), a_scale, w_scale,
-        bias if bias is not None else out, out, M, N, blocks, a_scale.stride(0), w_scale.stride(0), out.stride(0),
+        bias if bias is not None else out, out, M, N, blocks, *a_scale.stride(), w_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, COL_GROUPS=tile.col_groups, UNROLL=tile.unroll, TAIL=blocks % tile.unroll,
         STAGES=tile.stages, num_warps=tile.warps)
     return out
@@ -243,7 +243,7 @@ def hopper_sass(blocks: int = 8, tile: OverlappedTile = OverlappedTile(), has_bi
     signature = {"a_desc": f"tensordesc<fp8e4nv[{tile.rows}, {KERNEL_BLOCK}],{layouts[tile.rows]!r}>",
                  "w_desc": f"tensordesc<fp8e4nv[{tile.cols}, {KERNEL_BLOCK}],{layouts[tile.cols]!r}>",
                  "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                 **dict.fromkeys(["M", "N", "BLOCKS", "stride_a_scale", "stride_w_scale", "stride_out"], "i32")}
+                 **dict.fromkeys(["M", "N", "BLOCKS", "stride_a_scale", "stride_a_scale_col", "stride_w_scale", "stride_out"], "i32")}
     constants = dict(HAS_BIAS=has_bias, COL_GROUPS=tile.col_groups, UNROLL=tile.unroll, TAIL=blocks % tile.unroll,
                      STAGES=tile.stages, num_warps=tile.warps)
     signature |= dict.fromkeys(constants, "constexpr")

@@ -12,10 +12,10 @@ __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'QUERY_TILE', 'KEY_BLOCK', 'HAS_TRITO
            'QUANTIZE_128X128_DTYPES', 'QUANTIZE_128X128_WARPS', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP',
            'MAX_NORM_WARPS', 'SILU_BLOCK', 'VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'fused_entropy',
            'rotary_kernel', 'ROTARY_BLOCK_T', 'invariant_kernels_available', 'needs_64bit_offsets', 'group_tile_rows',
-           'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma', 'tma_loads_possible',
-           'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized', 'next_power_of_2',
-           'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits', 'fast_if_same_bits',
-           'cublas_where_same_bits', 'quantize_128x128', 'rms_norm_backward', 'silu_mul_backward',
+           'empty_scales_1x128', 'quantize_1x128', 'fp8_gemm_invariant', 'fp8_gemm_tiles', 'loads_through_tma',
+           'tma_loads_possible', 'launch_fp8_gemm', 'matmul_invariant', 'rms_norm_invariant', 'rms_norm_quantized',
+           'next_power_of_2', 'attention_invariant', 'cublas_may_run', 'graph_time_ms', 'same_bits',
+           'fast_if_same_bits', 'cublas_where_same_bits', 'quantize_128x128', 'rms_norm_backward', 'silu_mul_backward',
            'silu_mul_backward_quantized', 'backward_kernels', 'backward_kernels_active', 'InvariantRMSNorm',
            'linear_invariant', 'InvariantLinear', 'hand_over_grad_fp8', 'silu_mul', 'silu_mul_quantized',
            'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax', 'entropy_from_log_softmax',
@@ -97,7 +97,7 @@ def _kernels():
         return clamp_keeping_nan(tl.math.div_rn(y, scale[:, None]), FP8_MAX), scale
 
     @triton.jit
-    def quantize_1x128(x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_x_col, stride_q, stride_scale,
+    def quantize_1x128(x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_x_col, stride_q, stride_scale, stride_scale_col,
                        FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_M: tl.constexpr, G: tl.constexpr,
                        WIDE: tl.constexpr):
         # one (BLOCK_M rows x G columns) group tile: amax -> scale = amax / FP8_MAX -> x / scale -> clamp -> FP8
@@ -110,7 +110,7 @@ def _kernels():
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
         q, scale = quantize_groups(x, FP8_MAX, TINY)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(scale_ptr + rows * stride_scale + group, scale, mask=rows < M)
+        tl.store(scale_ptr + rows * stride_scale + group * stride_scale_col, scale, mask=rows < M)
 
     @triton.jit
     def quantize_128x128(w_ptr, q_ptr, scale_ptr, N, K, stride_w, stride_w_col, stride_q, stride_q_col, stride_scale,
@@ -132,7 +132,8 @@ def _kernels():
         tl.store(scale_ptr + block_n * stride_scale + block_k * stride_scale_col, scale)
 
     @triton.jit
-    def fp8_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_a, stride_a_scale, stride_w,
+    def fp8_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_a, stride_a_scale,
+                 stride_a_scale_col, stride_w,
                  stride_w_scale, stride_out, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  G: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, WIDE: tl.constexpr,
                  ONE_WEIGHT_BLOCK: tl.constexpr):
@@ -160,7 +161,7 @@ def _kernels():
             for kb in tl.range(0, tl.cdiv(K, G), num_stages=STAGES):
                 a = a_ptr.load([tile_m * BLOCK_M, kb * G])
                 w = w_ptr.load([tile_n * BLOCK_N, kb * G])
-                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
+                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb * stride_a_scale_col, mask=row_ok, other=0.0)
                 if ONE_WEIGHT_BLOCK:
                     w_scale = tl.load(w_scale_ptr + ((tile_n * BLOCK_N) // G) * stride_w_scale + kb)
                     acc += tl.dot(a, tl.trans(w)) * (a_scale * w_scale)[:, None]
@@ -173,7 +174,7 @@ def _kernels():
                 k_ok = k < K
                 a = tl.load(a_ptr + rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb, mask=row_ok, other=0.0)
+                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + kb * stride_a_scale_col, mask=row_ok, other=0.0)
                 w_scale = tl.load(w_scale_ptr + (cols // G) * stride_w_scale + kb, mask=col_ok, other=0.0)
                 acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
         out = acc.to(out_ptr.dtype.element_ty)
@@ -202,7 +203,7 @@ def _kernels():
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def rms_norm(x_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, H, stride_x, stride_y, stride_q, stride_scale, eps,
+    def rms_norm(x_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, H, stride_x, stride_y, stride_q, stride_scale, stride_scale_col, eps,
                  FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, QUANTIZE: tl.constexpr):
         # one row per program: fp32 mean of squares, x * rsqrt(var + eps) rounded to x's dtype, times the weight;
         # with QUANTIZE also y's FP8 copy, the row's BLOCK // G groups of G columns each quantized as quantize_1x128 does
@@ -226,11 +227,11 @@ def _kernels():
             y_tile = tl.load(y_ptr + row * stride_y + tile, mask=tile < H, other=0.0).to(tl.float32)
             q, scale = quantize_groups(y_tile, FP8_MAX, TINY)             # columns past H hold 0: no amax changes
             tl.store(q_ptr + row * stride_q + tile, q.to(q_ptr.dtype.element_ty), mask=tile < H)
-            tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * G < H)
+            tl.store(scale_ptr + row * stride_scale + groups * stride_scale_col, scale, mask=groups * G < H)
 
     @triton.jit
     def silu_mul(gate_ptr, up_ptr, y_ptr, q_ptr, scale_ptr, M, N, stride_gate, stride_up, stride_y, stride_q,
-                 stride_scale, FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_M: tl.constexpr, G: tl.constexpr,
+                 stride_scale, stride_scale_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_M: tl.constexpr, G: tl.constexpr,
                  QUANTIZE: tl.constexpr, WIDE: tl.constexpr, CUDA_EXP: tl.constexpr):
         # torch's `silu(gate) * up`, rounded where torch rounds: silu = gate / (1 + exp(-gate)) in fp32 (exp to
         # within CUDA's expf, IEEE division) rounded to gate's dtype, times up in fp32, rounded to y's dtype. One
@@ -251,7 +252,7 @@ def _kernels():
         if QUANTIZE:
             q, scale = quantize_groups(y.to(tl.float32), FP8_MAX, TINY)
             tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-            tl.store(scale_ptr + rows * stride_scale + group, scale, mask=rows < M)
+            tl.store(scale_ptr + rows * stride_scale + group * stride_scale_col, scale, mask=rows < M)
 
     @triton.jit
     def rms_norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr, M, H, rows_per_program, stride_x, stride_dy, eps,
@@ -284,21 +285,23 @@ def _kernels():
             tl.store(partial_ptr + pid * H + cols, dw, mask=ok)
 
     @triton.jit
-    def store_groups_fp8(d, start, n, q_ptr, scale_ptr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-                         BLOCK: tl.constexpr, G: tl.constexpr):
+    def store_groups_fp8(d, start, n, q_ptr, scale_ptr, groups_per_row, stride_scale, stride_scale_col,
+                         FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
         # the flat block at `start` of a gradient whose rows are whole 1xG groups (N % G == 0): its FP8 copy in
-        # quantize_1x128's groups, the codes at the same offsets, a scale per group at offset // G. The values are
-        # elementwise (the reshape cannot change a bit of them) and a max is the same in any order; the offsets are
-        # made 2-D from the start (not reshaped), so the stores stay contiguous runs
+        # quantize_1x128's groups, the codes at the same offsets, a group's scale at its (row, group of the row) in the
+        # scales' strides. The values are elementwise (the reshape cannot change a bit of them) and a max is the same in
+        # any order; the offsets are made 2-D from the start (not reshaped), so the stores stay contiguous runs
         first = start + tl.arange(0, BLOCK // G) * G
         at = first[:, None] + tl.arange(0, G)[None, :]
         q, scale = quantize_groups(tl.reshape(d, (BLOCK // G, G)), FP8_MAX, TINY)
         tl.store(q_ptr + at, q.to(q_ptr.dtype.element_ty), mask=at < n)
-        tl.store(scale_ptr + first // G, scale, mask=first < n)
+        group = first // G
+        row, group_of_row = group // groups_per_row, group % groups_per_row
+        tl.store(scale_ptr + row * stride_scale + group_of_row * stride_scale_col, scale, mask=first < n)
 
     @triton.jit
     def silu_mul_backward(gate_ptr, up_ptr, d_out_ptr, d_gate_ptr, d_up_ptr, q_gate_ptr, s_gate_ptr, q_up_ptr, s_up_ptr,
-                          n, HAS_D_GATE: tl.constexpr, HAS_D_UP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr,
+                          n, groups_per_row, stride_scale, stride_scale_col, HAS_D_GATE: tl.constexpr, HAS_D_UP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr,
                           QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr, G: tl.constexpr):
         # out = silu(g) * u, silu(g) = g * sigmoid(g): d_up = d * silu(g), d_gate = d * u * silu'(g) with
         # silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g). In fp32, each output rounded once. With QUANTIZE also each
@@ -314,12 +317,14 @@ def _kernels():
         if HAS_D_UP:
             d_up = (d * (g * s)).to(d_up_ptr.dtype.element_ty)
             tl.store(d_up_ptr + offsets, d_up, mask=ok)
-            if QUANTIZE: store_groups_fp8(d_up.to(tl.float32), start, n, q_up_ptr, s_up_ptr, FP8_MAX, TINY, BLOCK, G)
+            if QUANTIZE: store_groups_fp8(d_up.to(tl.float32), start, n, q_up_ptr, s_up_ptr, groups_per_row, stride_scale,
+                                          stride_scale_col, FP8_MAX, TINY, BLOCK, G)
         if HAS_D_GATE:
             u = tl.load(up_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
             d_gate = (d * u * s * (1 + g * (1 - s))).to(d_gate_ptr.dtype.element_ty)
             tl.store(d_gate_ptr + offsets, d_gate, mask=ok)
-            if QUANTIZE: store_groups_fp8(d_gate.to(tl.float32), start, n, q_gate_ptr, s_gate_ptr, FP8_MAX, TINY, BLOCK, G)
+            if QUANTIZE: store_groups_fp8(d_gate.to(tl.float32), start, n, q_gate_ptr, s_gate_ptr, groups_per_row,
+                                          stride_scale, stride_scale_col, FP8_MAX, TINY, BLOCK, G)
 
     @triton.jit
     def attention(q_ptr, k_ptr, v_ptr, o_ptr, q_col_ptr, valid_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
@@ -388,27 +393,32 @@ def group_tile_rows(rows: int) -> int:
     "Rows of one tile of quantize_1x128 and the SiLU-mul for an input of `rows` contiguous rows."
     return DECODE_GROUP_TILE_ROWS if rows <= DECODE_MAX_ROWS else GROUP_TILE_ROWS
 
-def _fp8_buffers(rows: int, cols: int, device, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    "Empty FP8 codes (rows, cols) and fp32 scales (rows, cols / 128 rounded up): a 1x128 quantizer's outputs."
-    return (torch.empty(rows, cols, device=device, dtype=fp8_dtype(fmt)),
-            torch.empty(rows, math.ceil(cols / KERNEL_BLOCK), device=device, dtype=torch.float32))
+def empty_scales_1x128(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """Empty fp32 scales of a (rows, cols) tensor in 1x128 groups: shape (rows, cols / 128 rounded up), stored
+    column-major (strides (1, rows): the `rows` scales of one column of groups are contiguous). That is the layout
+    cuBLAS's blockwise FP8 GEMM reads (`jetrl.fp8._fp8_gemm`), so jetrl's quantizers write it and the GEMM takes their
+    scales as they are; row-major scales cost a copy per operand per GEMM (the 0.5B trainer: 793 small copies, 1.9 ms
+    of a micro-batch on an H200, session 14). jetrl's own kernels read scales in any strides. Like `like`'s device."""
+    return like.new_empty((math.ceil(cols / KERNEL_BLOCK), rows), dtype=torch.float32).t()
+
+def _fp8_buffers(rows: int, cols: int, like: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    "Empty FP8 codes (rows, cols) and their 1x128 scales (`empty_scales_1x128`): a 1x128 quantizer's outputs."
+    return like.new_empty((rows, cols), dtype=fp8_dtype(fmt)), empty_scales_1x128(rows, cols, like)
 
 @eager_custom_op("jetrl::quantize_1x128", mutates_args=())
 def _quantize_1x128_op(x2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K), G = x2d.shape, KERNEL_BLOCK
-    data, scale = _fp8_buffers(M, K, x2d.device, fmt)
+    data, scale = _fp8_buffers(M, K, x2d, fmt)
     block_m = group_tile_rows(M) if x2d.stride(-1) == 1 else 64   # a transposed view: more rows a tile, shorter strided reads
     if M and K:
         _kernels()["quantize_1x128"][(math.ceil(M / block_m), math.ceil(K / G))](
-            x2d, data, scale, M, K, x2d.stride(0), x2d.stride(1), data.stride(0), scale.stride(0),
+            x2d, data, scale, M, K, x2d.stride(0), x2d.stride(1), data.stride(0), scale.stride(0), scale.stride(1),
             FP8_MAX=fp8_max(fmt), TINY=torch.finfo(torch.float32).tiny, BLOCK_M=block_m, G=G,
             WIDE=needs_64bit_offsets(x2d, data))
     return data, scale
 
 @_quantize_1x128_op.register_fake
-def _(x2d, fmt):
-    return (x2d.new_empty(x2d.shape, dtype=fp8_dtype(fmt)),
-            x2d.new_empty((x2d.shape[0], math.ceil(x2d.shape[1] / KERNEL_BLOCK)), dtype=torch.float32))
+def _(x2d, fmt): return _fp8_buffers(*x2d.shape, x2d, fmt)
 
 def quantize_1x128(x2d: torch.Tensor, fmt: str = "e4m3") -> FP8Tensor:
     """1x128-group quantization of (M, K) in one kernel: the bytes and scales of `quantize_unchecked(x, (1, 128))` (IEEE
@@ -502,7 +512,7 @@ def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[in
         w_arg = TensorDescriptor.from_tensor(w_data, [block_n, KERNEL_BLOCK])
     _kernels()["fp8_gemm"][(math.ceil(M / block_m) * math.ceil(N / block_n),)](
         a_arg, a_scale, w_arg, w_scale, bias if bias is not None else out, out, M, N, K, a_data.stride(0),
-        a_scale.stride(0), w_data.stride(0), w_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        a_scale.stride(0), a_scale.stride(1), w_data.stride(0), w_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, G=KERNEL_BLOCK, GROUP_M=group_m, TMA=tma, STAGES=stages,
         WIDE=needs_64bit_offsets(a_data, w_data, out), ONE_WEIGHT_BLOCK=tma and KERNEL_BLOCK % block_n == 0,
         num_warps=warps, num_stages=stages)
@@ -520,7 +530,7 @@ GLUON_DECODE_MIN_K_PER_N = 2
 def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
                            bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     (M, K), N = a_data.shape, w_data.shape[0]
-    a_data, a_scale, w_data, w_scale = (t.contiguous() for t in (a_data, a_scale, w_data, w_scale))
+    a_data, w_data, w_scale = (t.contiguous() for t in (a_data, w_data, w_scale))   # a's scales: in their strides
     bias = None if bias is None else bias.contiguous()
     out = None
     if gluon_decode and M <= DECODE_MAX_ROWS and K >= GLUON_DECODE_MIN_K_PER_N * N:   # the Gluon kernel where it runs
@@ -562,11 +572,11 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str
     H = x.shape[-1]
     x2d = x.reshape(math.prod(x.shape[:-1]), H).contiguous()          # (rows, H), also where H or rows is 0
     y = torch.empty(x2d.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
-    data, scale = _fp8_buffers(*x2d.shape, x.device, fmt) if fmt is not None else (None, None)
+    data, scale = _fp8_buffers(*x2d.shape, x, fmt) if fmt is not None else (None, None)
     if x2d.numel():                    # one BLOCK for both variants (at least a group): the same layout, the same sums
         q, s = (data, scale) if fmt is not None else (y, y)          # unused without QUANTIZE
         _kernels()["rms_norm"][(x2d.shape[0],)](
-            x2d, weight, y, q, s, H, x2d.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
+            x2d, weight, y, q, s, H, x2d.stride(0), y.stride(0), q.stride(0), s.stride(0), s.stride(1), eps,
             FP8_MAX=fp8_max(fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny,
             BLOCK=max(next_power_of_2(H), KERNEL_BLOCK), G=KERNEL_BLOCK, QUANTIZE=fmt is not None, num_warps=4)
     return y.reshape(*x.shape[:-1], H), data, scale
@@ -587,8 +597,7 @@ def _rms_norm_quantized_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @_rms_norm_quantized_op.register_fake
 def _(x, weight, eps, fmt):
     rows, H = math.prod(x.shape[:-1]), x.shape[-1]
-    return (x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)),
-            x.new_empty((rows, H), dtype=fp8_dtype(fmt)), x.new_empty((rows, math.ceil(H / KERNEL_BLOCK)), dtype=torch.float32))
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)), *_fp8_buffers(rows, H, x, fmt)
 
 def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str = "e4m3") -> tuple[torch.Tensor, FP8Tensor]:
     """`rms_norm_invariant(x, weight, eps)` and, from the same kernel, its FP8 copy in 1x128 groups: the bytes and scales
@@ -608,12 +617,12 @@ def _launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, fmt: str | None):
     if up2d.stride(-1) != 1: up2d = up2d.contiguous()
     M = gate2d.shape[0]
     y = torch.empty((M, N), device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
-    data, scale = _fp8_buffers(M, N, gate.device, fmt) if fmt is not None else (None, None)
+    data, scale = _fp8_buffers(M, N, gate, fmt) if fmt is not None else (None, None)
     if M and N:
         q, s = (data, scale) if fmt is not None else (y, y)
         block_m = group_tile_rows(M)                                  # quantize_1x128's tile of contiguous rows
         _kernels()["silu_mul"][(math.ceil(M / block_m), math.ceil(N / KERNEL_BLOCK))](
-            gate2d, up2d, y, q, s, M, N, gate2d.stride(0), up2d.stride(0), y.stride(0), q.stride(0), s.stride(0),
+            gate2d, up2d, y, q, s, M, N, gate2d.stride(0), up2d.stride(0), y.stride(0), q.stride(0), s.stride(0), s.stride(1),
             FP8_MAX=fp8_max(fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny, BLOCK_M=block_m, G=KERNEL_BLOCK,
             QUANTIZE=fmt is not None, WIDE=needs_64bit_offsets(gate2d, up2d, y), CUDA_EXP=not INTERPRETING)
     return y.reshape(gate.shape), data, scale
@@ -629,7 +638,7 @@ def _(gate, up, fmt):
     N = gate.shape[-1]; rows = math.prod(gate.shape[:-1])
     y = gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
     if fmt is None: return y, y.new_empty(0, dtype=torch.float8_e4m3fn), y.new_empty(0, dtype=torch.float32)
-    return y, y.new_empty((rows, N), dtype=fp8_dtype(fmt)), y.new_empty((rows, math.ceil(N / KERNEL_BLOCK)), dtype=torch.float32)
+    return y, *_fp8_buffers(rows, N, y, fmt)
 
 def next_power_of_2(n: int) -> int: "The smallest power of two >= n (1 for n <= 1)."; return 1 << max(n - 1, 0).bit_length()
 
@@ -885,11 +894,14 @@ def _silu_mul_backward_op(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Ten
     N = gate.shape[-1] if gate.dim() else 1
     rows = n // max(N, 1)
     no_copy = lambda: (gate.new_empty(0, dtype=torch.float8_e4m3fn), gate.new_empty(0, dtype=torch.float32))  # fresh: a custom op's outputs may not alias
-    q_gate, s_gate = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_gate else no_copy()
-    q_up, s_up = _fp8_buffers(rows, N, gate.device, grad_fmt) if grad_fmt and need_d_up else no_copy()
+    q_gate, s_gate = _fp8_buffers(rows, N, gate, grad_fmt) if grad_fmt and need_d_gate else no_copy()
+    q_up, s_up = _fp8_buffers(rows, N, gate, grad_fmt) if grad_fmt and need_d_up else no_copy()
     if n and (need_d_gate or need_d_up):
+        scales = s_gate if grad_fmt and need_d_gate else s_up                 # both copies' scales: one layout
+        strides = scales.stride() if scales.dim() == 2 else (0, 0)            # no copy: unused
         _kernels()["silu_mul_backward"][(math.ceil(n / SILU_BLOCK),)](
-            gate, up, d_out, d_gate, d_up, q_gate, s_gate, q_up, s_up, n, HAS_D_GATE=need_d_gate, HAS_D_UP=need_d_up,
+            gate, up, d_out, d_gate, d_up, q_gate, s_gate, q_up, s_up, n, max(N // KERNEL_BLOCK, 1), *strides,
+            HAS_D_GATE=need_d_gate, HAS_D_UP=need_d_up,
             BLOCK=SILU_BLOCK, WIDE=n + SILU_BLOCK > INT32_LIMIT,     # the last block's masked offsets must not overflow
             QUANTIZE=grad_fmt is not None, FP8_MAX=fp8_max(grad_fmt or "e4m3"), TINY=torch.finfo(torch.float32).tiny,
             G=KERNEL_BLOCK, num_warps=4)
@@ -901,7 +913,7 @@ def _(gate, up, d_out, need_d_gate, need_d_up, grad_fmt):
     rows = gate.numel() // max(N, 1)
     def copy(need):
         if grad_fmt is None or not need: return gate.new_empty(0, dtype=torch.float8_e4m3fn), gate.new_empty(0, dtype=torch.float32)
-        return gate.new_empty((rows, N), dtype=fp8_dtype(grad_fmt)), gate.new_empty((rows, math.ceil(N / KERNEL_BLOCK)), dtype=torch.float32)
+        return _fp8_buffers(rows, N, gate, grad_fmt)
     return (gate.new_empty(gate.shape if need_d_gate else (0,)), up.new_empty(up.shape if need_d_up else (0,)),
             *copy(need_d_gate), *copy(need_d_up))
 

@@ -12,9 +12,10 @@ import jetrl.grad_kernels
 import jetrl.linear
 from jetrl.fp8 import FP8Tensor, KERNEL_BLOCK, quantize_unchecked
 from jetrl.kernels import HAS_TRITON, INTERPRETING, invariant_kernels_available
-from jetrl.grad_kernels import (HP_DTYPES, LAUNCH_CANDIDATES, quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers,
-                                fused_grad_quantizers_active, _round_to_format)
+from jetrl.grad_kernels import (HP_DTYPES, LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES, quantize_dual_1x128,
+                                requantize_for_wgrad, fused_grad_quantizers, fused_grad_quantizers_active, _round_to_format)
 from jetrl.linear import FP8Recipe, FP8LinearFunction, _quantize
+from test_kernels import assert_scales_column_major
 
 G = KERNEL_BLOCK
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,7 +76,8 @@ def test_dual_equals_cpu_quantizer(M, N, fmt, dtype):
     want = transposed_oracle(dy, fmt)
     assert_same_fp8(for_wgrad, want)
     if dy.numel(): assert for_dgrad.data.is_contiguous() and for_wgrad.data.stride() == want.data.stride()   # (1, M): dy.T
-    assert for_wgrad.t().data.is_contiguous() and for_wgrad.t().scale.is_contiguous()
+    assert for_wgrad.t().data.is_contiguous()
+    assert_scales_column_major(for_dgrad); assert_scales_column_major(for_wgrad.t())   # as the GEMMs read them
 
 
 @needs_kernels
@@ -112,7 +114,7 @@ def test_every_launch_candidate_gives_the_same_bytes(launch, launch_tables):
 
 
 @needs_kernels
-@pytest.mark.parametrize("launch", LAUNCH_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
+@pytest.mark.parametrize("launch", REQUANTIZE_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
     "Every requantizer launch the benchmark sweeps (tile, chunks) gives the CPU oracle's bytes and scales."
     launch_tables[1].clear(); launch_tables[1].update(launch)
@@ -128,6 +130,7 @@ def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
                                        hp_dtype)
             assert_same_fp8(got, want)
             if got.data.numel(): assert got.data.stride() == want.data.stride()           # (1, M): x.T contiguous
+            assert_scales_column_major(got.t())                                          # as Wgrad's GEMM reads them
     x_fp8 = quantize_unchecked(ragged_values(260, 300, torch.bfloat16, seed=6), (1, G))    # a column-major saved copy
     data = x_fp8.data.t().contiguous().t()
     got = requantize_for_wgrad(FP8Tensor(data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"), torch.bfloat16)
@@ -139,6 +142,10 @@ def test_an_unknown_launch_form_fails_clearly(launch_tables):
     launch_tables[0].update(form="rows")
     with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['chunks', 'tile'\]"):
         quantize_dual_1x128(torch.randn(4, 8, device=DEVICE))
+    launch_tables[1].update(form="tile", COLS=48)                  # a requantizer tile's columns must divide 128
+    x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
+    with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['COLS'\] must divide 128"):
+        requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
 
 
 # ---- x: Wgrad's operand from the saved FP8 copy ----

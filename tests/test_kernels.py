@@ -444,12 +444,23 @@ from jetrl.fp8 import quantize_unchecked
 from jetrl.kernels import rms_norm_invariant, rms_norm_quantized, silu_mul, silu_mul_quantized, _reference_rms_norm
 
 
+def assert_scales_column_major(x_fp8):
+    """1x128 scales (rows, groups) stored as cuBLAS's blockwise GEMM reads them, strides (1, rows) (a size-1 dimension's
+    stride is moot): `jetrl.fp8._column_major` takes them without a copy."""
+    from jetrl.fp8 import _column_major
+    rows, groups = x_fp8.scale.shape
+    if x_fp8.scale.numel() == 0: return                                               # no scales: no layout
+    assert (groups == 1 or x_fp8.scale.stride(1) == rows) and (rows == 1 or x_fp8.scale.stride(0) == 1), x_fp8.scale.stride()
+    assert _column_major(x_fp8.scale).data_ptr() == x_fp8.scale.data_ptr()
+
+
 def assert_same_fp8_copy(y_fp8, y: torch.Tensor, fmt: str):
-    "The producer's FP8 copy is the CPU quantizer's bytes and scales of the y it wrote, bit for bit."
+    "The producer's FP8 copy is the CPU quantizer's bytes and scales of the y it wrote, bit for bit, scales column-major."
     want = quantize_unchecked(y.reshape(-1, y.shape[-1]).cpu(), (1, 128), fmt)
     assert y_fp8.block == (1, 128) and y_fp8.fmt == fmt
     assert torch.equal(y_fp8.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(y_fp8.scale.cpu(), want.scale)
+    assert_scales_column_major(y_fp8)
 
 
 @needs_kernels
@@ -772,6 +783,29 @@ def test_quantize_1x128_keeps_nan_and_inf_visible(fmt, rows, gpu_casts):
     got, want = quantize_1x128(x.to(DEVICE), fmt), quantize_unchecked(x, (1, 128), fmt)
     assert want.scale[3, 0] == 1 and want.scale[11, 1] == float("inf")          # the cases are there
     assert_same_fp8_but_nan_signs(got, want)
+
+@needs_kernels
+def test_fp8_gemm_reads_activation_scales_in_any_strides(gpu_casts):
+    """jetrl's FP8 GEMM takes the 1x128 scales as the quantizers write them (column-major, cuBLAS's layout), row-major
+    (the CPU quantizer's) or as a slice of rows of either: the same bits, pointer or TMA loads."""
+    from jetrl.fp8 import kernel_weight_scale
+    from jetrl.kernels import quantize_1x128, launch_fp8_gemm
+    g = torch.Generator().manual_seed(4)
+    M, K, N = 80, 384, 256                                             # 3 K blocks, two 64-row tiles (one partial)
+    x_fp8 = quantize_1x128((torch.randn(M + 16, K, generator=g) * 3).to(torch.bfloat16).to(DEVICE))
+    w = quantize_unchecked(torch.randn(N, K, generator=g) / 20, (128, 128))
+    w_data, w_scale = w.data.to(DEVICE), kernel_weight_scale(w).to(DEVICE)
+    assert_scales_column_major(x_fp8)
+    data = x_fp8.data[:M]
+    outs = []
+    for scale in (x_fp8.scale[:M], x_fp8.scale[:M].contiguous(), x_fp8.scale.contiguous()[:M]):
+        for tma in (False, True):
+            out = torch.empty(M, N, device=DEVICE, dtype=torch.bfloat16)
+            outs.append(launch_fp8_gemm(data, scale, w_data, w_scale, None, out, (64, 128, 4, 3, 1), tma=tma))
+    assert all(same_bits(out, outs[0]) for out in outs[1:])
+    want = FP8Tensor(data, x_fp8.scale[:M], (1, 128), "e4m3").dequantize().cpu() @ w.dequantize().t()
+    assert ((outs[0].float().cpu() - want).norm() / want.norm()).item() < 1e-2
+
 
 @needs_kernels
 def test_quantize_128x128_reads_strided_weights(gpu_casts):
