@@ -158,6 +158,22 @@ def print_sweep(rows: list[dict]):
     print("  (*: today's DUAL_LAUNCH / REQUANTIZE_LAUNCH; GB/s of the graph time)")
 
 
+def pick_requantize(path: str, per_layer: dict[int, int]) -> dict:
+    """The requantizer launch of REQUANTIZE_CANDIDATES with the least graph time over the swept shapes in `path` (rows
+    of --sweep --out), each shape's time relative to the default launch's and weighted by how many saved inputs of that
+    K a layer requantizes (`per_layer`: K -> count; 1 if absent); only launches whose bytes were equal at every shape."""
+    rows = [json.loads(line) for line in open(path)]
+    score, equal = {}, {}
+    for row in rows:
+        swept = [r for r in row.get("sweep", []) if r["kernel"] == "requantize"]
+        default = next(r["graph_ms"] for r in swept if r["default"])
+        for r in swept:
+            score[r["launch"]] = score.get(r["launch"], 0.0) + per_layer.get(row["K"], 1) * r["graph_ms"] / default
+            equal[r["launch"]] = equal.get(r["launch"], True) and r["bytes_equal"] is True
+    best = min((name for name in score if equal[name]), key=score.get)
+    return next(c for c in grad_kernels.REQUANTIZE_CANDIDATES if launch_name(c) == best)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=10240, help="M: rows of a micro-batch (16 x 640 by default)")
@@ -166,7 +182,15 @@ def main(argv=None):
                    help="also time the dual quantizer at every launch of LAUNCH_CANDIDATES, the requantizer at every one of "
                         "REQUANTIZE_CANDIDATES (bytes checked)")
     p.add_argument("--out", help="append one JSON line per shape to this file")
+    p.add_argument("--pick-requantize", metavar="FILE",
+                   help="print (as JSON) the fastest requantizer launch of FILE's sweeps, weighted by the saved inputs a "
+                        "layer requantizes at each K (Qwen2: three at the hidden size, one at the MLP's), and exit")
     args = p.parse_args(argv)
+    if args.pick_requantize:
+        sizes = [(896, 4864), (3584, 18944)]                      # Qwen2 0.5B, 7B: (hidden, intermediate)
+        print(json.dumps(pick_requantize(args.pick_requantize, {k: n for h, i in sizes for k, n in ((h, 3), (i, 1))}),
+                         separators=(",", ":")))                 # no spaces: one shell word
+        return
     if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
     M, ok = args.tokens, True
     for shape in args.shapes.split(","):
