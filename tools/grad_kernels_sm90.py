@@ -3,7 +3,7 @@ and print each launch's registers and spills. Arguments are specialized as Trito
 (strides of 1 become constants, multiples of 16 get divisibility hints).
 
     python tools/grad_kernels_sm90.py                    # M=10240 tokens, K=3584, N=18944; every launch of the sweep
-                                                         # (jetrl.grad_kernels.LAUNCH_CANDIDATES)
+                                                         # (LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES)
 """
 import argparse, itertools, os, subprocess, tempfile
 import torch
@@ -42,21 +42,29 @@ def main(argv=None):
     args = p.parse_args(argv)
     M, K, N = map(int, args.shape.split("x"))
     duals, requantizes = gk._quantize_kernels(), gk._requantize_kernels()
-    for launch, fmt, hp in itertools.product(gk.LAUNCH_CANDIDATES, ["e4m3", "e5m2"], [torch.bfloat16, torch.float32]):
+    def split(launch: dict, fmt: str):
+        "(form, printed name, compiler options, the kernel's constexprs) of a launch."
         launch = dict(launch)
-        form, name, q = launch.pop("form"), " ".join(f"{k}={v}" for k, v in launch.items()), POINTER[fmt]
+        form, name = launch.pop("form"), " ".join(f"{k}={v}" for k, v in launch.items() if k != "form")
         options = {k: launch.pop(k) for k in COMPILER_OPTIONS if k in launch}        # the rest are the kernel's constexprs
-        constants = dict(gk._fp8_constants(fmt), EXACT_ROUNDING=False, G=gk.KERNEL_BLOCK, **launch)
-        name = f"{form:6} {name:22}"
+        return form, f"{form:6} {name:22}", options, dict(gk._fp8_constants(fmt), EXACT_ROUNDING=False, G=gk.KERNEL_BLOCK, **launch)
+    # the 1x128 scales are column-major (jetrl.kernels.empty_scales_1x128): a row stride of 1, a column stride of the rows
+    for launch, fmt, hp in itertools.product(gk.LAUNCH_CANDIDATES, ["e4m3", "e5m2"], [torch.bfloat16, torch.float32]):
+        form, name, options, constants = split(launch, fmt)
+        q = POINTER[fmt]
         print(f"dual       {fmt} dy {str(hp):14} {name}:", ptxas_report(duals[form], dict(
             x_ptr=(POINTER[hp], 0), q_ptr=(q, 0), scale_ptr=("*fp32", 0), qt_ptr=(q, 0), scale_t_ptr=("*fp32", 0), M=("i32", M),
-            N=("i32", N), stride_x=("i32", N), stride_x_col=("i32", 1), stride_q=("i32", N), stride_scale=("i32", -(-N // 128)),
-            stride_qt=("i32", M), stride_scale_t=("i32", -(-M // 128))), constants, options))
-        grid = gk._grid(hp)
+            N=("i32", N), stride_x=("i32", N), stride_x_col=("i32", 1), stride_q=("i32", N), stride_scale=("i32", 1),
+            stride_scale_col=("i32", M), stride_qt=("i32", M), stride_scale_t=("i32", 1), stride_scale_t_col=("i32", N)),
+            constants, options))
+    for launch, fmt, hp in itertools.product(gk.REQUANTIZE_CANDIDATES, ["e4m3", "e5m2"], [torch.bfloat16, torch.float32]):
+        form, name, options, constants = split(launch, fmt)
+        if form == "tile": constants.setdefault("COLS", gk.KERNEL_BLOCK)
+        q, grid = POINTER[fmt], gk._grid(hp)
         print(f"requantize {fmt} to {str(hp):14} {name}:", ptxas_report(requantizes[form], dict(
             q_ptr=(q, 0), s_ptr=("*fp32", 0), qt_ptr=(q, 0), scale_t_ptr=("*fp32", 0), M=("i32", M), K=("i32", K),
-            stride_q=("i32", K), stride_q_col=("i32", 1), stride_s=("i32", -(-K // 128)), stride_s_col=("i32", 1),
-            stride_qt=("i32", M), stride_scale_t=("i32", -(-M // 128))),
+            stride_q=("i32", K), stride_q_col=("i32", 1), stride_s=("i32", 1), stride_s_col=("i32", M),
+            stride_qt=("i32", M), stride_scale_t=("i32", 1), stride_scale_t_col=("i32", K)),
             dict(constants, HP_DTYPE=TL_DTYPES[hp], HP_MANTISSA=grid["MANTISSA"], HP_MIN_EXP=grid["MIN_EXP"], HP_MAX=grid["MAX"]),
             options))
 
