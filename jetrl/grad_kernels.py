@@ -44,7 +44,8 @@ def _device_functions() -> dict:
         magnitude = kept.to(tl.float32) * ((normal + 127) << 23).to(tl.float32, bitcast=True) \
             * ((spacing - normal + 127) << 23).to(tl.float32, bitcast=True)
         magnitude = tl.where(magnitude > MAX, float("inf"), magnitude)
-        return (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+        rounded = (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, rounded)                         # a NaN stays NaN, as the GPU's cast keeps it
 
     @triton.jit
     def cast(x, dtype: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, MAX: tl.constexpr,
@@ -76,20 +77,22 @@ def _quantize_kernels() -> dict:
     "The scale and quantize steps every kernel shares, built once (after the exact rounding they call)."
     triton, tl = _triton()
     _device_functions()
-
-    @triton.jit
-    def group_scale(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
-        # jetrl's scale: amax / FP8_MAX by IEEE division (as torch divides), at least fp32's smallest normal; 1 for zeros
-        return tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FP8_MAX), TINY), 1.0)
+    # the forward quantizers' formula, one definition (jetrl.kernels): the scale of an amax, and an amax and a clamp
+    # that keep a NaN visible (Triton's own max and clamp skip it on the GPU), so a diverged gradient or activation
+    # does not turn into finite FP8 codes here either
+    import jetrl.kernels as forward
+    forward._kernels()
+    globals().update(scale_of_amax=forward.scale_of_amax, amax_keeping_nan=forward.amax_keeping_nan,
+                     max_keeping_nan=forward.max_keeping_nan, clamp_keeping_nan=forward.clamp_keeping_nan)
 
     @triton.jit
     def to_fp8(x, scale, dtype: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
                EXACT_ROUNDING: tl.constexpr):
-        # x / scale (IEEE division) clamped to the format's range, rounded to FP8
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        # x / scale (IEEE division) clamped to the format's range (a NaN kept NaN), rounded to FP8
+        q = clamp_keeping_nan(tl.math.div_rn(x, scale), FP8_MAX)
         return cast(q, dtype, MANTISSA, MIN_EXP, FP8_MAX, EXACT_ROUNDING)
 
-    globals().update(group_scale=group_scale, to_fp8=to_fp8)
+    globals().update(to_fp8=to_fp8)
 
     @triton.jit
     def quantize_dual_tile(x_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, M, N, stride_x, stride_x_col, stride_q,
@@ -102,8 +105,8 @@ def _quantize_kernels() -> dict:
         row_ok, col_ok = rows < M, cols < N
         ok = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
-        scale = group_scale(tl.max(tl.abs(x), axis=1, keep_dims=True), FP8_MAX, TINY)              # (G, 1)
-        scale_t = group_scale(tl.max(tl.abs(x), axis=0, keep_dims=True), FP8_MAX, TINY)            # (1, G)
+        scale = scale_of_amax(amax_keeping_nan(x, 1)[:, None], FP8_MAX, TINY)                     # (G, 1)
+        scale_t = scale_of_amax(amax_keeping_nan(x, 0)[None, :], FP8_MAX, TINY)                   # (1, G)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :],
                  to_fp8(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING), mask=ok)
         tl.store(scale_ptr + rows[:, None] * stride_scale + tile_n * stride_scale_col, scale, mask=row_ok[:, None])
@@ -127,12 +130,12 @@ def _quantize_kernels() -> dict:
             rows = tile_m * G + start + tl.arange(0, CHUNK)
             ok = (rows < M)[:, None] & col_ok[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
-            scale = group_scale(tl.max(tl.abs(x), axis=1, keep_dims=True), FP8_MAX, TINY)          # (CHUNK, 1)
+            scale = scale_of_amax(amax_keeping_nan(x, 1)[:, None], FP8_MAX, TINY)                 # (CHUNK, 1)
             q = to_fp8(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)
             tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=ok)
             tl.store(scale_ptr + rows[:, None] * stride_scale + tile_n * stride_scale_col, scale, mask=(rows < M)[:, None])
-            col_amax = tl.maximum(col_amax, tl.max(tl.abs(x), axis=0, keep_dims=True))
-        scale_t = group_scale(col_amax, FP8_MAX, TINY)                                              # (1, G)
+            col_amax = max_keeping_nan(col_amax, amax_keeping_nan(x, 0)[None, :])
+        scale_t = scale_of_amax(col_amax, FP8_MAX, TINY)                                            # (1, G)
         tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=col_ok[None, :])
         for start in range(0, G, CHUNK):
             rows = tile_m * G + start + tl.arange(0, CHUNK)
@@ -242,7 +245,7 @@ def _requantize_kernels() -> dict:
         rows, cols = tile_m * G + tl.arange(0, G), tile_c * COLS + tl.arange(0, COLS)
         x = dequantize_rows(q_ptr, s_ptr, rows, cols, M, K, (tile_c * COLS) // G, stride_q, stride_q_col, stride_s,
                             stride_s_col, HP_DTYPE, HP_MANTISSA, HP_MIN_EXP, HP_MAX, EXACT_ROUNDING)
-        scale_t = group_scale(tl.max(tl.abs(x), axis=0, keep_dims=True), FP8_MAX, TINY)            # (1, COLS)
+        scale_t = scale_of_amax(amax_keeping_nan(x, 0)[None, :], FP8_MAX, TINY)                   # (1, COLS)
         tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=(cols < K)[None, :])
         qt = to_fp8(x, scale_t, qt_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)       # (G, COLS)
         tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(qt),
@@ -263,8 +266,8 @@ def _requantize_kernels() -> dict:
         for start in range(0, G, CHUNK):
             x = dequantize_rows(q_ptr, s_ptr, tile_m * G + start + tl.arange(0, CHUNK), cols, M, K, tile_k, stride_q,
                                 stride_q_col, stride_s, stride_s_col, HP_DTYPE, HP_MANTISSA, HP_MIN_EXP, HP_MAX, EXACT_ROUNDING)
-            col_amax = tl.maximum(col_amax, tl.max(tl.abs(x), axis=0, keep_dims=True))
-        scale_t = group_scale(col_amax, FP8_MAX, TINY)                                              # (1, G)
+            col_amax = max_keeping_nan(col_amax, amax_keeping_nan(x, 0)[None, :])
+        scale_t = scale_of_amax(col_amax, FP8_MAX, TINY)                                            # (1, G)
         tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=(cols < K)[None, :])
         for start in range(0, G, CHUNK):
             rows = tile_m * G + start + tl.arange(0, CHUNK)

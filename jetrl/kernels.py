@@ -61,6 +61,7 @@ def _kernels():
     # globals: Triton's interpreter looks names up there only
     global scale_of_amax, max_keeping_nan, amax_keeping_nan, clamp_keeping_nan, quantize_groups, store_groups_fp8
     global NAN_KEEPING_REDUCE
+    globals()["tl"] = tl   # and `tl`: the interpreter wants it there for a helper that another module's kernel calls
     # an amax keeping NaN: on a GPU one reduction by a NaN-keeping max (quantize_1x128's sm_90 SASS: FMNMX.NAN where
     # FMNMX was); under Triton's interpreter, whose reduction with a combine function is a Python loop (10-16x slower),
     # its own max and a NaN flag (the same amax)

@@ -367,8 +367,7 @@ class FP8LinearFunction(torch.autograd.Function):
                     make = lambda: requantize_for_wgrad(x_fp8, dy.dtype, recipe.act_fmt)
                 else:
                     make = lambda: _quantize(x_hp(), recipe, "x", "wgrad", True)
-                # the same bytes either way for finite x (tests/test_grad_kernels.py; a NaN in x: the requantizer, in
-                # jetrl.grad_kernels, does not yet keep it as quantize_1x128 does); made once per saved FP8 input
+                # the same bytes either way, a NaN in x kept NaN (tests/test_grad_kernels.py); made once per saved FP8 input
                 key = (dy.dtype, recipe.act_fmt, recipe.block("x", "wgrad"), recipe.pow2_scale)
                 x_wgrad = make() if x_fp8 is None else _shared_wgrad_input(x_fp8, make, key)
                 dw = fp8_mm(dy_wgrad.t(), x_wgrad, out_dtype=hp_weight.dtype)   # (N, K), accumulated in fp32

@@ -15,7 +15,7 @@ from jetrl.kernels import HAS_TRITON, INTERPRETING, invariant_kernels_available
 from jetrl.grad_kernels import (HP_DTYPES, LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES, quantize_dual_1x128,
                                 requantize_for_wgrad, fused_grad_quantizers, fused_grad_quantizers_active, _round_to_format)
 from jetrl.linear import FP8Recipe, FP8LinearFunction, _quantize
-from test_kernels import assert_scales_column_major
+from test_kernels import assert_same_fp8_but_nan_signs, assert_scales_column_major, gpu_casts  # noqa: F401 (a fixture)
 
 G = KERNEL_BLOCK
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,6 +78,28 @@ def test_dual_equals_cpu_quantizer(M, N, fmt, dtype):
     if dy.numel(): assert for_dgrad.data.is_contiguous() and for_wgrad.data.stride() == want.data.stride()   # (1, M): dy.T
     assert for_wgrad.t().data.is_contiguous()
     assert_scales_column_major(for_dgrad); assert_scales_column_major(for_wgrad.t())   # as the GEMMs read them
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_backward_quantizers_keep_nan_and_inf_visible(fmt, gpu_casts):
+    """A group holding NaN gets scale 1 and its NaN stays NaN, a group holding inf scale inf, in dy's two layouts and
+    in Wgrad's requantized x, as the CPU quantizer has them (the forward quantizers' rule, `jetrl.kernels`): a diverged
+    gradient must not turn into finite FP8 codes. Under the interpreter the amax half is checked (its max skips a NaN
+    as the GPU's does; `gpu_casts`: its own FP8 cast turns NaN into a finite code, the GPU's keeps it); on a GPU, the
+    clamp too."""
+    dy = ragged_values(300, 260, torch.bfloat16, seed=7) * 100
+    dy[3, 7] = dy[200, 250] = float("nan"); dy[11, 130], dy[140, 5] = float("inf"), -float("inf")
+    for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE), fmt)
+    want_dgrad, want_wgrad = quantize_unchecked(dy, (1, G), fmt), transposed_oracle(dy, fmt)
+    assert want_dgrad.scale[3, 0] == 1 and want_wgrad.scale[0, 7] == 1 and want_dgrad.scale[11, 1] == float("inf")
+    assert_same_fp8_but_nan_signs(for_dgrad, want_dgrad)
+    assert_same_fp8_but_nan_signs(for_wgrad, want_wgrad)
+    x_fp8 = quantize_unchecked(dy, (1, G), fmt)                       # a saved activation holding NaN and inf groups
+    got = requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), fmt), torch.bfloat16)
+    want = transposed_oracle(x_fp8.dequantize(torch.bfloat16), fmt)
+    assert want.data.float().isnan().any() and (want.scale == 1).any()
+    assert_same_fp8_but_nan_signs(got, want)
 
 
 @needs_kernels

@@ -44,22 +44,30 @@ SILU_VS_TORCH_REL = 2**-6     # the kernel against torch's ops, which round up t
 @pytest.fixture
 def gpu_casts(monkeypatch):
     """Under Triton's interpreter, fp32 -> bf16 and fp32 -> FP8 casts rounded to nearest even by torch, as the GPU's
-    (the interpreter's own truncate; on a GPU: nothing)."""
+    (the interpreter's own truncate, and turn a NaN into a finite code), and FP8 -> fp32 decoded by torch (the
+    interpreter's own reads E4M3's NaN code as 480). On a GPU: nothing."""
     if not INTERPRETING: return
     import triton.language as tl
     from triton.runtime import interpreter
     truncating = interpreter.InterpreterBuilder.cast_impl
     formats = {tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16),          # bf16 lives in uint16 there, FP8 in uint8
                tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, np.uint8), tl.float8e5: (torch.float8_e5m2, torch.uint8, np.uint8)}
+    decoded = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    def by_torch(src, dst_type) -> bool:
+        return ((src.dtype.scalar == tl.float32 and dst_type.scalar in formats)
+                or (src.dtype.scalar in decoded and dst_type.scalar == tl.float32))
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar in formats:
             dtype, bits, np_bits = formats[dst_type.scalar]
             rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype).view(bits)
             return interpreter.TensorHandle(rounded.numpy().view(np_bits), dst_type.scalar)
+        if src.dtype.scalar in decoded and dst_type.scalar == tl.float32:
+            codes = torch.from_numpy(np.ascontiguousarray(src.data).view(np.uint8)).view(decoded[src.dtype.scalar])
+            return interpreter.TensorHandle(codes.float().numpy(), tl.float32)
         return truncating(self, src, dst_type)
     fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp                # FP8 casts come this way
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar in formats: return cast_impl(self, src, dst_type)
+        if by_torch(src, dst_type): return cast_impl(self, src, dst_type)
         return fp_to_fp(self, src, dst_type, rounding_mode)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)

@@ -33,7 +33,21 @@ def ptxas_report(fn, args: dict, constants: dict, options: dict) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"]); f.flush()
         out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
-    return " | ".join(line.split("info    :")[-1].strip() for line in out.splitlines() if "spill" in line or "registers" in line)
+    report = " | ".join(line.split("info    :")[-1].strip() for line in out.splitlines() if "spill" in line or "registers" in line)
+    return report + " | " + sass_counts(compiled.asm["cubin"])
+
+
+def sass_counts(cubin: bytes) -> str:
+    "The machine code's instruction count, and its float max/min instructions (FMNMX; .NAN: the NaN-keeping form)."
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin); f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    # an instruction line: /*0010*/  OPCODE ... ;  (.byte lines and labels are not instructions)
+    ops = [line.split("*/", 1)[1].split()[0] for line in text.splitlines()
+           if line.strip().startswith("/*") and line.rstrip().endswith(";") and "*/" in line]
+    ops = [op for op in ops if op != ".byte"]
+    return f"{len(ops)} instructions, FMNMX {sum(op.startswith('FMNMX') for op in ops)} ({sum(op == 'FMNMX.NAN' for op in ops)} .NAN)"
 
 
 def main(argv=None):
