@@ -49,8 +49,9 @@ def rescale_variant_gemm(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, 
 def variant(x_fp8, w_data, w_scale, one_by_one: bool, fused: bool):
     (M, K), N = x_fp8.data.shape, w_data.shape[0]
     out = torch.empty(M, N, device=w_data.device, dtype=torch.float32)
+    a_scale = x_fp8.scale.contiguous()      # this variant reads the scales row-major (jetrl's quantizers: column-major)
     rescale_variant_gemm[(math.ceil(M / 64), math.ceil(N / 64))](
-        x_fp8.data, x_fp8.scale, w_data, w_scale, out, M, N, K, x_fp8.data.stride(0), x_fp8.scale.stride(0),
+        x_fp8.data, a_scale, w_data, w_scale, out, M, N, K, x_fp8.data.stride(0), a_scale.stride(0),
         w_data.stride(0), w_scale.stride(0), out.stride(0), ONE_BY_ONE=one_by_one, BLOCK_M=64, BLOCK_N=64, G=G,
         num_warps=4, enable_fp_fusion=fused)
     return out

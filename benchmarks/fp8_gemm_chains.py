@@ -115,8 +115,9 @@ def trainer_form(x_fp8, w, chains: int, tiles) -> torch.Tensor:
     (M, K), N = x_fp8.shape, w.shape[0]
     block_m, block_n, warps, stages, group_m = tiles
     out = torch.empty(M, N, device=x_fp8.data.device, dtype=torch.bfloat16)
+    a_scale = x_fp8.scale.contiguous()      # these forms read the scales row-major (jetrl's quantizers: column-major)
     chain_gemm[(math.ceil(M / block_m) * math.ceil(N / block_n),)](
-        x_fp8.data, x_fp8.scale, w.data, w.scale, out, M, N, K, x_fp8.data.stride(0), x_fp8.scale.stride(0),
+        x_fp8.data, a_scale, w.data, w.scale, out, M, N, K, x_fp8.data.stride(0), a_scale.stride(0),
         w.data.stride(0), w.scale.stride(0), out.stride(0), CHAINS=chains, BLOCK_M=block_m, BLOCK_N=block_n, G=G,
         GROUP_M=group_m, num_warps=warps, num_stages=stages)
     return out
@@ -127,8 +128,9 @@ def decode_form(x_fp8, w, chains: int, block_n: int, warps: int, stages: int) ->
     block_m = max(64, triton.next_power_of_2(M))
     sums = torch.empty(chains, M, N, device=x_fp8.data.device, dtype=torch.float32)
     out = torch.empty(M, N, device=x_fp8.data.device, dtype=torch.bfloat16)
+    a_scale = x_fp8.scale.contiguous()      # row-major, as above
     chain_gemm_split[(math.ceil(M / block_m) * math.ceil(N / block_n) * chains,)](
-        x_fp8.data, x_fp8.scale, w.data, w.scale, sums, M, N, K, x_fp8.data.stride(0), x_fp8.scale.stride(0),
+        x_fp8.data, a_scale, w.data, w.scale, sums, M, N, K, x_fp8.data.stride(0), a_scale.stride(0),
         w.data.stride(0), w.scale.stride(0), CHAINS=chains, BLOCK_M=block_m, BLOCK_N=block_n, G=G,
         num_warps=warps, num_stages=stages)
     add_chains[(math.ceil(M * N / 1024),)](sums, out, M * N, CHAINS=chains, BLOCK=1024)

@@ -117,8 +117,9 @@ def run_variant(variant: str, x_fp8, w_data, w_scale, out, tiles):
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         a_src, w_src = TensorDescriptor.from_tensor(a_src, [block_m, G]), TensorDescriptor.from_tensor(w_src, [block_n, G])
+    a_scale = x_fp8.scale.contiguous()      # the candidates read the scales row-major (jetrl's quantizers: column-major)
     candidate_gemm[(math.ceil(M / block_m) * math.ceil(N / block_n),)](
-        a_src, x_fp8.scale, w_src, w_scale, out, M, N, K, x_fp8.data.stride(0), x_fp8.scale.stride(0), w_data.stride(0),
+        a_src, a_scale, w_src, w_scale, out, M, N, K, x_fp8.data.stride(0), a_scale.stride(0), w_data.stride(0),
         w_scale.stride(0), out.stride(0), TMA=tma, PAIRS="pairs" in variant, WS=variant == "ws",
         WSCALAR="wscalar" in variant, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, G=G, GROUP_M=group_m,
         num_warps=warps)

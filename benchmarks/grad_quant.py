@@ -160,17 +160,20 @@ def print_sweep(rows: list[dict]):
 
 def pick_requantize(path: str, per_layer: dict[int, int]) -> dict:
     """The requantizer launch of REQUANTIZE_CANDIDATES with the least graph time over the swept shapes in `path` (rows
-    of --sweep --out), each shape's time relative to the default launch's and weighted by how many saved inputs of that
-    K a layer requantizes (`per_layer`: K -> count; 1 if absent); only launches whose bytes were equal at every shape."""
-    rows = [json.loads(line) for line in open(path)]
-    score, equal = {}, {}
+    of --sweep --out): each shape's time weighted by how many saved inputs of that K a layer requantizes (`per_layer`:
+    K -> count; 1 if absent), so the sum follows a layer's time. Only launches swept at every shape, with equal bytes
+    and a time at each."""
+    rows = [row for row in map(json.loads, open(path)) if row.get("sweep")]
+    total, seen, equal = {}, {}, {}
     for row in rows:
-        swept = [r for r in row.get("sweep", []) if r["kernel"] == "requantize"]
-        default = next(r["graph_ms"] for r in swept if r["default"])
-        for r in swept:
-            score[r["launch"]] = score.get(r["launch"], 0.0) + per_layer.get(row["K"], 1) * r["graph_ms"] / default
-            equal[r["launch"]] = equal.get(r["launch"], True) and r["bytes_equal"] is True
-    best = min((name for name in score if equal[name]), key=score.get)
+        for r in (r for r in row["sweep"] if r["kernel"] == "requantize"):
+            name = r["launch"]
+            total[name] = total.get(name, 0.0) + per_layer.get(row["K"], 1) * r["graph_ms"]
+            seen[name] = seen.get(name, 0) + 1
+            equal[name] = equal.get(name, True) and r["bytes_equal"] is True and r["graph_ms"] == r["graph_ms"]  # no NaN
+    fit = [name for name in total if seen[name] == len(rows) and equal[name]]
+    if not fit: raise SystemExit(f"{path}: no requantizer launch swept at every shape with equal bytes")
+    best = min(fit, key=total.get)
     return next(c for c in grad_kernels.REQUANTIZE_CANDIDATES if launch_name(c) == best)
 
 

@@ -24,9 +24,9 @@ ROW_TILES, WARPS = (1, 2, 4, 8, 16, 32), (1, 2, 4, 8)
 
 def quantize(x, block_m, warps):
     M, K = x.shape
-    data, scale = _fp8_buffers(M, K, x.device, "e4m3")
+    data, scale = _fp8_buffers(M, K, x, "e4m3")
     _kernels()["quantize_1x128"][(math.ceil(M / block_m), math.ceil(K / KERNEL_BLOCK))](
-        x, data, scale, M, K, x.stride(0), x.stride(1), data.stride(0), scale.stride(0), FP8_MAX=E4M3_MAX, TINY=TINY,
+        x, data, scale, M, K, x.stride(0), x.stride(1), data.stride(0), *scale.stride(), FP8_MAX=E4M3_MAX, TINY=TINY,
         BLOCK_M=block_m, G=KERNEL_BLOCK, WIDE=False, num_warps=warps)
     return data, scale
 
@@ -34,9 +34,9 @@ def quantize(x, block_m, warps):
 def silu_mul(gate, up, block_m, warps):
     M, N = gate.shape
     y = torch.empty_like(gate)
-    data, scale = _fp8_buffers(M, N, gate.device, "e4m3")
+    data, scale = _fp8_buffers(M, N, gate, "e4m3")
     _kernels()["silu_mul"][(math.ceil(M / block_m), math.ceil(N / KERNEL_BLOCK))](
-        gate, up, y, data, scale, M, N, gate.stride(0), up.stride(0), y.stride(0), data.stride(0), scale.stride(0),
+        gate, up, y, data, scale, M, N, gate.stride(0), up.stride(0), y.stride(0), data.stride(0), *scale.stride(),
         FP8_MAX=E4M3_MAX, TINY=TINY, BLOCK_M=block_m, G=KERNEL_BLOCK, QUANTIZE=True, WIDE=False, CUDA_EXP=True,
         num_warps=warps)
     return y, data, scale
@@ -45,8 +45,8 @@ def silu_mul(gate, up, block_m, warps):
 def norm(x, weight, warps, quantized):
     M, H = x.shape
     y = torch.empty_like(x)
-    data, scale = _fp8_buffers(M, H, x.device, "e4m3") if quantized else (y, y)
-    _kernels()["rms_norm"][(M,)](x, weight, y, data, scale, H, x.stride(0), y.stride(0), data.stride(0), scale.stride(0),
+    data, scale = _fp8_buffers(M, H, x, "e4m3") if quantized else (y, y)
+    _kernels()["rms_norm"][(M,)](x, weight, y, data, scale, H, x.stride(0), y.stride(0), data.stride(0), *scale.stride(),
                                  1e-6, FP8_MAX=E4M3_MAX, TINY=TINY, BLOCK=max(next_power_of_2(H), KERNEL_BLOCK),
                                  G=KERNEL_BLOCK, QUANTIZE=quantized, num_warps=warps)
     return y, data, scale

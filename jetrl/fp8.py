@@ -216,6 +216,12 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     "2-D `t` stored column-major (strides (1, rows)): `t` itself, no copy, where it is already."
     return t.t().contiguous().t()
 
+def _pad_scale_column_major(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """`_pad_scale` stored column-major, as cuBLAS reads 1x128 scales: `scale` itself where it is so already and needs no
+    padding, else one copy (padding the transpose writes the column-major result directly)."""
+    if scale.shape == (rows, cols): return _column_major(scale)
+    return F.pad(scale.t(), (0, rows - scale.shape[0], 0, cols - scale.shape[1]), value=1.0).t()
+
 # inputs keep the strides they were made in (jetrl's quantizers write the activations' scales column-major, as the
 # kernel reads them): under torch.compile inductor must not make them contiguous, which would cost a copy there and
 # the copy back here
@@ -226,7 +232,7 @@ def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, bt_data: torch.Tensor
               layout: str, out_dtype: torch.dtype) -> torch.Tensor:
     """The real FP8 GEMM `a @ bt.T`, both operands given K-major: a (M, K) and bt (N, K), each with its
     scales in the same (row, K) orientation. The kernel's layouts are made here: contiguous data, and 1x128 scales
-    column-major (`_column_major`, no copy where the quantizer wrote them so, as jetrl's GPU quantizers do)."""
+    column-major (no copy where the quantizer wrote them so, as jetrl's GPU quantizers do, and no padding is needed)."""
     from torch.nn.functional import scaled_mm, ScalingType
     (M, K), N = a_data.shape, bt_data.shape[0]
     if layout in ("tensorwise", "rowwise"):
@@ -236,12 +242,12 @@ def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, bt_data: torch.Tensor
     G = KERNEL_BLOCK
     Mp, Kp, Np = _round_up(M, KERNEL_ROW_ALIGN), _round_up(K, G), _round_up(N, G)   # small M (decode) stays small
     a_data, bt_data = _pad_fp8(a_data.contiguous(), Mp, Kp), _pad_fp8(bt_data.contiguous(), Np, Kp)
-    a_scale = _column_major(_pad_scale(a_scale, Mp, Kp // G))                          # (M, K/G), M contiguous
+    a_scale = _pad_scale_column_major(a_scale, Mp, Kp // G)                            # (M, K/G), M contiguous
     if layout == "blockwise_1x128_128x128":                                           # (L4, N/G), K-major, L4 = K/G
         bt_scale = _pad_scale(bt_scale, Np // G, _round_up(Kp // G, 4)).contiguous().t()  # rounded up to 4
         b_recipe = ScalingType.BlockWise128x128
     else:
-        bt_scale = _column_major(_pad_scale(bt_scale, Np, Kp // G))                    # (N, K/G), N contiguous
+        bt_scale = _pad_scale_column_major(bt_scale, Np, Kp // G)                      # (N, K/G), N contiguous
         b_recipe = ScalingType.BlockWise1x128
     out = scaled_mm(a_data, bt_data.t(), a_scale, ScalingType.BlockWise1x128, bt_scale, b_recipe, output_dtype=out_dtype)
     return out[:M, :N].contiguous()

@@ -232,7 +232,8 @@ def hopper_sass(blocks: int = 8, tile: OverlappedTile = OverlappedTile(), has_bi
     """The overlapped kernel's machine code (SASS) for an H100/H200 (sm_90), for K = `blocks` x 128 (the build of
     `blocks % tile.unroll`, with K a plain 32-bit argument, as a launch gets it unless K is 128 or a multiple of 2048), compiled on this machine without a GPU by Triton's own compiler and disassembled by
     the `nvdisasm` it ships (Gluon needed). `aligned`: with the hints a real launch at a model's shapes gets
-    (16-byte-aligned pointers; M, N and out's row stride multiples of 16), which change the code it compiles to."""
+    (16-byte-aligned pointers; M, N, the activation scales' column stride (M) and out's row stride multiples of 16),
+    which change the code it compiles to; the scales' row stride is 1 (column-major), a constant, in both."""
     import subprocess, tempfile, triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -244,11 +245,12 @@ def hopper_sass(blocks: int = 8, tile: OverlappedTile = OverlappedTile(), has_bi
                  "w_desc": f"tensordesc<fp8e4nv[{tile.cols}, {KERNEL_BLOCK}],{layouts[tile.cols]!r}>",
                  "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                  **dict.fromkeys(["M", "N", "BLOCKS", "stride_a_scale", "stride_a_scale_col", "stride_w_scale", "stride_out"], "i32")}
-    constants = dict(HAS_BIAS=has_bias, COL_GROUPS=tile.col_groups, UNROLL=tile.unroll, TAIL=blocks % tile.unroll,
-                     STAGES=tile.stages, num_warps=tile.warps)
+    # the activations' scales are column-major (jetrl's quantizers): a row stride of 1, which a launch specializes
+    constants = dict(stride_a_scale=1, HAS_BIAS=has_bias, COL_GROUPS=tile.col_groups, UNROLL=tile.unroll,
+                     TAIL=blocks % tile.unroll, STAGES=tile.stages, num_warps=tile.warps)
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
-    hinted = ["a_scale_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "M", "N", "stride_out"] if aligned else []
+    hinted = ["a_scale_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "M", "N", "stride_a_scale_col", "stride_out"] if aligned else []
     source = GluonASTSource(_overlapped_kernel(), signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                             attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hinted})
     cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tile.warps)).asm["cubin"]

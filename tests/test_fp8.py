@@ -367,3 +367,18 @@ def test_fp8_mm_unknown_backend():
     a, b = quantize(torch.randn(16, 32), None), quantize(torch.randn(32, 16), None)
     with pytest.raises(ValueError, match="backend must be 'auto', 'kernel' or 'emulated', got 'cuda'"):
         fp8_mm(a, b, backend="cuda")
+
+
+def test_gemm_scales_column_major_with_at_most_one_copy():
+    """The 1x128 scales as cuBLAS's blockwise GEMM reads them, (rows, K/128) with the rows contiguous: scales already so
+    and of the padded shape pass as they are; row-major ones, or ones that need padding (rows to a multiple of 16, K to
+    128), are copied once, padded with ones (the scale of the zero padding)."""
+    from jetrl.fp8 import _pad_scale, _pad_scale_column_major
+    column_major = torch.rand(3, 32).t()                                 # (32 rows, 3 groups), strides (1, 32)
+    assert _pad_scale_column_major(column_major, 32, 3).data_ptr() == column_major.data_ptr()
+    for scale, rows, cols in [(column_major.contiguous(), 32, 3), (column_major[:30], 32, 3), (column_major, 48, 4),
+                              (column_major.contiguous()[:30], 32, 3)]:
+        laid_out = _pad_scale_column_major(scale, rows, cols)
+        assert laid_out.shape == (rows, cols) and laid_out.stride() == (1, rows)
+        assert torch.equal(laid_out, _pad_scale(scale, rows, cols))
+        assert laid_out.data_ptr() != scale.data_ptr()

@@ -164,9 +164,13 @@ def test_an_unknown_launch_form_fails_clearly(launch_tables):
     launch_tables[0].update(form="rows")
     with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['chunks', 'tile'\]"):
         quantize_dual_1x128(torch.randn(4, 8, device=DEVICE))
-    launch_tables[1].update(form="tile", COLS=48)                  # a requantizer tile's columns must divide 128
     x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
-    with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['COLS'\] must divide 128"):
+    for cols in (48, 0, 256):                                         # a requantizer tile's columns must divide 128
+        launch_tables[1].clear(); launch_tables[1].update(form="tile", COLS=cols)
+        with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['COLS'\] must divide 128"):
+            requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
+    launch_tables[1].clear(); launch_tables[1].update(form="chunks", CHUNK=32, COLS=64)   # the tile form's only
+    with pytest.raises(ValueError, match="the tile form's"):
         requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
 
 
