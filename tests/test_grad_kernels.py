@@ -428,5 +428,13 @@ def test_fast_gemm_used_only_where_it_gives_the_exact_bits():
         slower = lambda fn: 3.0 if fn is fast_gemm else 2.0                         # same bits, more time
         assert fast_if_same_bits(("test", "slower"), fast_gemm, exact_gemm, time_ms=slower) is None
         assert _fast_chosen[("test", "slower")] is False
+        with_nan = exact.clone(); with_nan[7, 3] = float("nan")                    # a diverged batch: NaN bits differ
+        other_nan = with_nan.clone(); other_nan.view(torch.int32)[7, 3] ^= 1
+        assert fast_if_same_bits(("test", "nan"), lambda: other_nan, lambda: with_nan) is None
+        assert ("test", "nan") not in _fast_chosen                                  # no verdict from that call
+        assert torch.equal(fast_if_same_bits(("test", "nan"), exact.clone, exact_gemm), exact)   # the next one decides
+        assert _fast_chosen[("test", "nan")] is True
+        assert fast_if_same_bits(("test", "nan off"), lambda: off, lambda: with_nan) is None   # NaN and a real difference:
+        assert ("test", "nan off") not in _fast_chosen                              # still no verdict, the exact kernel
     finally:
         for key in [k for k in _fast_chosen if k[0] == "test"]: del _fast_chosen[key]
