@@ -96,8 +96,9 @@ def _quantize_kernels() -> dict:
 
     @triton.jit
     def quantize_dual_tile(x_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, M, N, stride_x, stride_x_col, stride_q,
-                           stride_scale, stride_scale_col, stride_qt, stride_scale_t, stride_scale_t_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-                           MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, EXACT_ROUNDING: tl.constexpr, G: tl.constexpr):
+                           stride_scale, stride_scale_col, stride_qt, stride_scale_t, stride_scale_t_col,
+                           FP8_MAX: tl.constexpr, TINY: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+                           EXACT_ROUNDING: tl.constexpr, G: tl.constexpr):
         # One G x G tile of x (M, N), read once into registers. Rows: 1xG groups, into q (M, N), a scale per row.
         # Columns: Gx1 groups along the tokens, into qt (N, M), the tile stored transposed whole (G bytes per row of qt).
         tile_m, tile_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)   # 64-bit offsets: M * N may pass 2^31
@@ -116,9 +117,9 @@ def _quantize_kernels() -> dict:
 
     @triton.jit
     def quantize_dual_chunks(x_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, M, N, stride_x, stride_x_col, stride_q,
-                             stride_scale, stride_scale_col, stride_qt, stride_scale_t, stride_scale_t_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-                             MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, EXACT_ROUNDING: tl.constexpr, G: tl.constexpr,
-                             CHUNK: tl.constexpr):
+                             stride_scale, stride_scale_col, stride_qt, stride_scale_t, stride_scale_t_col,
+                             FP8_MAX: tl.constexpr, TINY: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+                             EXACT_ROUNDING: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr):
         # One G x G tile of x (M, N), CHUNK rows at a time. Rows: 1xG groups, into q (M, N), a scale per row. Columns:
         # Gx1 groups along the tokens; their amax gathered on the way down, then the chunks read again (from cache)
         # and written transposed into qt (N, M), as Wgrad's GEMM reads it.
