@@ -302,7 +302,8 @@ def _kernels():
 
     @triton.jit
     def silu_mul_backward(gate_ptr, up_ptr, d_out_ptr, d_gate_ptr, d_up_ptr, q_gate_ptr, s_gate_ptr, q_up_ptr, s_up_ptr,
-                          n, groups_per_row, stride_scale, stride_scale_col, HAS_D_GATE: tl.constexpr, HAS_D_UP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr,
+                          n, groups_per_row, stride_scale, stride_scale_col, HAS_D_GATE: tl.constexpr,
+                          HAS_D_UP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr,
                           QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr, G: tl.constexpr):
         # out = silu(g) * u, silu(g) = g * sigmoid(g): d_up = d * silu(g), d_gate = d * u * silu'(g) with
         # silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g). In fp32, each output rounded once. With QUANTIZE also each
