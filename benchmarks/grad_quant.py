@@ -159,21 +159,22 @@ def print_sweep(rows: list[dict]):
 
 
 def pick_requantize(path: str, per_layer: dict[int, int]) -> dict:
-    """The requantizer launch of REQUANTIZE_CANDIDATES with the least graph time over the swept shapes in `path` (rows
-    of --sweep --out): each shape's time weighted by how many saved inputs of that K a layer requantizes (`per_layer`:
-    K -> count; 1 if absent), so the sum follows a layer's time. Only launches swept at every shape, with equal bytes
-    and a time at each."""
-    rows = [row for row in map(json.loads, open(path)) if row.get("sweep")]
-    total, seen, equal = {}, {}, {}
-    for row in rows:
+    """The requantizer launch of REQUANTIZE_CANDIDATES with the least graph time over the swept sizes in `path` (rows of
+    --sweep --out). The requantizer's time depends on (M, K) only: each launch's times are first averaged per (M, K)
+    (shapes that share K, rows appended twice), then weighted by how many saved inputs of that K a layer requantizes
+    (`per_layer`: K -> count; 1 if absent), so the sum follows a layer's time. Only launches timed at every (M, K),
+    with equal bytes and a time at each."""
+    times, equal = {}, {}                                     # launch -> {(M, K): [graph ms]}, launch -> bytes equal
+    sizes = set()
+    for row in filter(lambda row: row.get("sweep"), map(json.loads, open(path))):
+        sizes.add((row["M"], row["K"]))
         for r in (r for r in row["sweep"] if r["kernel"] == "requantize"):
-            name = r["launch"]
-            total[name] = total.get(name, 0.0) + per_layer.get(row["K"], 1) * r["graph_ms"]
-            seen[name] = seen.get(name, 0) + 1
-            equal[name] = equal.get(name, True) and r["bytes_equal"] is True and r["graph_ms"] == r["graph_ms"]  # no NaN
-    fit = [name for name in total if seen[name] == len(rows) and equal[name]]
-    if not fit: raise SystemExit(f"{path}: no requantizer launch swept at every shape with equal bytes")
-    best = min(fit, key=total.get)
+            times.setdefault(r["launch"], {}).setdefault((row["M"], row["K"]), []).append(r["graph_ms"])
+            equal[r["launch"]] = equal.get(r["launch"], True) and r["bytes_equal"] is True and r["graph_ms"] == r["graph_ms"]
+    total = {name: sum(per_layer.get(K, 1) * sum(ms) / len(ms) for (M, K), ms in by_size.items())
+             for name, by_size in times.items() if set(by_size) == sizes and equal[name]}
+    if not total: raise SystemExit(f"{path}: no requantizer launch timed at every (M, K) with equal bytes")
+    best = min(total, key=total.get)
     return next(c for c in grad_kernels.REQUANTIZE_CANDIDATES if launch_name(c) == best)
 
 

@@ -294,7 +294,7 @@ def _requantize_op(x_data: torch.Tensor, x_scale: torch.Tensor, hp_dtype: torch.
         cols = launch.get("COLS", G)
         if kernel is not _requantize_kernels()["tile"] and "COLS" in launch:
             raise ValueError("REQUANTIZE_LAUNCH['COLS'] is the tile form's: form 'chunks' reads 128 columns a program.")
-        if not (isinstance(cols, int) and 0 < cols <= G and G % cols == 0):
+        if not (type(cols) is int and 0 < cols <= G and G % cols == 0):           # an int, not a bool
             raise ValueError(f"REQUANTIZE_LAUNCH['COLS'] must divide {G} (a power of two up to {G}), got {cols!r}.")
         if kernel is _requantize_kernels()["tile"]: launch["COLS"] = cols
         kernel[(math.ceil(M / G), math.ceil(K / cols))](          # G x COLS tiles (chunks: G x G)

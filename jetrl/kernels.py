@@ -723,7 +723,7 @@ def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False, time_ms=
     """`fast()` where, for this `key`, it was seen to give `exact()`'s bits (and, given a clock `time_ms`, to take less
     time), else None: the caller runs the exact kernel. The first call with a key runs both, compares every bit, times
     both if asked, and remembers the verdict; a `fast` that raises there (a call cuBLAS refuses) counts as different,
-    and bits that differ where the exact output holds NaN decide nothing (the next call decides).
+    and outputs that differ only in the exact output's NaN places (NaN there in both) decide nothing.
     While `capturing` a CUDA graph nothing can be compared: an unseen key gets None."""
     chosen = _fast_chosen.get(key)
     if chosen is False or (chosen is None and capturing): return None
@@ -735,9 +735,11 @@ def fast_if_same_bits(key: tuple, fast, exact, capturing: bool = False, time_ms=
     if chosen is None:
         reference = exact()
         chosen = same_bits(out, reference)
-        # a NaN's bits may differ between two kernels that agree on every number: such a call decides nothing (else one
-        # diverged batch would rule the fast kernel out for the shape for good); the next call without NaN decides
-        if not chosen and torch.isnan(reference).any(): return None
+        # a NaN's bits may differ between two kernels that agree on every number: a call whose outputs differ only in
+        # NaN places decides nothing (else one diverged batch would rule the fast kernel out for the shape for good)
+        if not chosen and out.shape == reference.shape and torch.isnan(reference).any():
+            numbers = ~torch.isnan(reference)
+            if same_bits(out[numbers], reference[numbers]) and torch.isnan(out[~numbers]).all(): return None
         chosen = chosen and (time_ms is None or time_ms(fast) < time_ms(exact))
     if key not in _fast_chosen:
         if len(_fast_chosen) >= MAX_SHAPES_REMEMBERED: del _fast_chosen[next(iter(_fast_chosen))]
