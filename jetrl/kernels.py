@@ -399,8 +399,9 @@ def empty_scales_1x128(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor
     """Empty fp32 scales of a (rows, cols) tensor in 1x128 groups: shape (rows, cols / 128 rounded up), stored
     column-major (strides (1, rows): the `rows` scales of one column of groups are contiguous). That is the layout
     cuBLAS's blockwise FP8 GEMM reads (`jetrl.fp8._fp8_gemm`), so jetrl's quantizers write it and the GEMM takes their
-    scales as they are; row-major scales cost a copy per operand per GEMM (the 0.5B trainer: 793 small copies, 1.9 ms
-    of a micro-batch on an H200, session 14). jetrl's own kernels read scales in any strides. Like `like`'s device."""
+    scales as they are; row-major scales cost a copy per operand per GEMM (the 0.5B trainer: ~28 a layer, by the code's
+    count most of the 793 small copies in a micro-batch of session 14's H200 profile). jetrl's own kernels read scales
+    in any strides. Like `like`'s device."""
     return like.new_empty((math.ceil(cols / KERNEL_BLOCK), rows), dtype=torch.float32).t()
 
 def _fp8_buffers(rows: int, cols: int, like: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
