@@ -158,26 +158,6 @@ def print_sweep(rows: list[dict]):
     print("  (*: today's DUAL_LAUNCH / REQUANTIZE_LAUNCH; GB/s of the graph time)")
 
 
-def pick_requantize(path: str, per_layer: dict[int, int]) -> dict:
-    """The requantizer launch of REQUANTIZE_CANDIDATES with the least graph time over the swept sizes in `path` (rows of
-    --sweep --out). The requantizer's time depends on (M, K) only: each launch's times are first averaged per (M, K)
-    (shapes that share K, rows appended twice), then weighted by how many saved inputs of that K a layer requantizes
-    (`per_layer`: K -> count; 1 if absent), so the sum follows a layer's time. Only launches timed at every (M, K),
-    with equal bytes and a time at each."""
-    times, equal = {}, {}                                     # launch -> {(M, K): [graph ms]}, launch -> bytes equal
-    sizes = set()
-    for row in filter(lambda row: row.get("sweep"), map(json.loads, open(path))):
-        sizes.add((row["M"], row["K"]))
-        for r in (r for r in row["sweep"] if r["kernel"] == "requantize"):
-            times.setdefault(r["launch"], {}).setdefault((row["M"], row["K"]), []).append(r["graph_ms"])
-            equal[r["launch"]] = equal.get(r["launch"], True) and r["bytes_equal"] is True and r["graph_ms"] == r["graph_ms"]
-    total = {name: sum(per_layer.get(K, 1) * sum(ms) / len(ms) for (M, K), ms in by_size.items())
-             for name, by_size in times.items() if set(by_size) == sizes and equal[name]}
-    if not total: raise SystemExit(f"{path}: no requantizer launch timed at every (M, K) with equal bytes")
-    best = min(total, key=total.get)
-    return next(c for c in grad_kernels.REQUANTIZE_CANDIDATES if launch_name(c) == best)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=10240, help="M: rows of a micro-batch (16 x 640 by default)")
@@ -186,15 +166,7 @@ def main(argv=None):
                    help="also time the dual quantizer at every launch of LAUNCH_CANDIDATES, the requantizer at every one of "
                         "REQUANTIZE_CANDIDATES (bytes checked)")
     p.add_argument("--out", help="append one JSON line per shape to this file")
-    p.add_argument("--pick-requantize", metavar="FILE",
-                   help="print (as JSON) the fastest requantizer launch of FILE's sweeps, weighted by the saved inputs a "
-                        "layer requantizes at each K (Qwen2: three at the hidden size, one at the MLP's), and exit")
     args = p.parse_args(argv)
-    if args.pick_requantize:
-        sizes = [(896, 4864), (3584, 18944)]                      # Qwen2 0.5B, 7B: (hidden, intermediate)
-        print(json.dumps(pick_requantize(args.pick_requantize, {k: n for h, i in sizes for k, n in ((h, 3), (i, 1))}),
-                         separators=(",", ":")))                 # no spaces: one shell word
-        return
     if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
     M, ok = args.tokens, True
     for shape in args.shapes.split(","):

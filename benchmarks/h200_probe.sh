@@ -2,7 +2,8 @@
 # Session 16, call 2: the 1x128 quantizers write their scales column-major (cuBLAS's layout: `_fp8_gemm` takes them
 # without a copy); the requantizer's narrower tiles (REQUANTIZE_CANDIDATES) swept, their bytes checked at the model
 # shapes (every candidate's bytes at ragged shapes: tests/test_grad_kernels.py under the interpreter); then the steps
-# side by side, the trainer's requantizer at the sweep's fastest launch (`--requantize-launch`).
+# side by side. (As run in call 2, 4299eee, the steps took the sweep's pick by a since-removed `--pick-requantize`:
+# `{"form":"tile","num_warps":2,"COLS":32}`; measured no better, the default stays, and the steps here take it.)
 set -u
 OUT=${OUT:-benchmarks/results}
 export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -19,9 +20,6 @@ grep -E "^(FAILED|ERROR)" $OUT/test_gpu_session16_call2.txt | cut -c1-200
 timeout 80 python benchmarks/grad_quant.py --sweep --shapes 896x4864,4864x896,3584x18944,18944x3584 \
   --out $OUT/grad_quant_sweep_session16.jsonl > $OUT/grad_quant_sweep_session16.txt 2>&1
 grep -E "requantize|M=|\*" $OUT/grad_quant_sweep_session16.txt | cut -c1-110
-BEST=$(python benchmarks/grad_quant.py --pick-requantize $OUT/grad_quant_sweep_session16.jsonl 2>/dev/null || echo null)
-echo "requantize launch for the steps: $BEST"
 STEP="python benchmarks/grpo_step.py --strategies bf16,jet --out $OUT/grpo_step_h200.jsonl"
-[ "$BEST" != null ] && STEP="$STEP --requantize-launch $BEST"
 timeout 110 $STEP --model qwen2-7b --prompts 16 --micro-batch 16 2>&1 | grep "^{" | cut -c1-200
 timeout 80 $STEP --model qwen2-0.5b --cuda-graphs 2>&1 | grep "^{" | cut -c1-200
