@@ -291,12 +291,12 @@ def _requantize_op(x_data: torch.Tensor, x_scale: torch.Tensor, hp_dtype: torch.
     if M and K:
         tl, hp = _triton()[1], _grid(hp_dtype)
         kernel, launch = _kernel(_requantize_kernels(), REQUANTIZE_LAUNCH, "REQUANTIZE_LAUNCH")
-        cols = launch.get("COLS", G)
-        if kernel is not _requantize_kernels()["tile"] and "COLS" in launch:
+        cols, tile_form = launch.get("COLS", G), kernel is _requantize_kernels()["tile"]
+        if not tile_form and "COLS" in launch:
             raise ValueError("REQUANTIZE_LAUNCH['COLS'] is the tile form's: form 'chunks' reads 128 columns a program.")
         if not (type(cols) is int and 0 < cols <= G and G % cols == 0):           # an int, not a bool
             raise ValueError(f"REQUANTIZE_LAUNCH['COLS'] must divide {G} (a power of two up to {G}), got {cols!r}.")
-        if kernel is _requantize_kernels()["tile"]: launch["COLS"] = cols
+        if tile_form: launch["COLS"] = cols
         kernel[(math.ceil(M / G), math.ceil(K / cols))](          # G x COLS tiles (chunks: G x G)
             x_data, x_scale, data_t, scale_t, M, K, x_data.stride(0), x_data.stride(1), x_scale.stride(0),
             x_scale.stride(1), data_t.stride(0), *scale_t.stride(),
