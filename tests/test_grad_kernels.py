@@ -162,7 +162,7 @@ def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
 @needs_kernels
 def test_an_unknown_launch_form_fails_clearly(launch_tables):
     launch_tables[0].update(form="rows")
-    with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['chunks', 'tile'\]"):
+    with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['chunks', 'quads', 'tile'\]"):
         quantize_dual_1x128(torch.randn(4, 8, device=DEVICE))
     x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
     for cols in (48, 0, 256):                                         # a requantizer tile's columns must divide 128
@@ -170,7 +170,7 @@ def test_an_unknown_launch_form_fails_clearly(launch_tables):
         with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['COLS'\] must divide 128"):
             requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
     launch_tables[1].clear(); launch_tables[1].update(form="chunks", CHUNK=32, COLS=64)   # the tile form's only
-    with pytest.raises(ValueError, match="the tile form's"):
+    with pytest.raises(ValueError, match="the tile and quads forms'"):
         requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
 
 

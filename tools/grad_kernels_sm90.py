@@ -5,7 +5,7 @@ and print each launch's registers and spills. Arguments are specialized as Trito
     python tools/grad_kernels_sm90.py                    # M=10240 tokens, K=3584, N=18944; every launch of the sweep
                                                          # (LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES)
 """
-import argparse, itertools, os, subprocess, tempfile
+import argparse, collections, itertools, os, subprocess, tempfile
 import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -44,16 +44,29 @@ def sass_counts(cubin: bytes) -> str:
         f.write(cubin); f.flush()
         text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     # an instruction line: /*0010*/  OPCODE ... ;  (.byte lines and labels are not instructions)
-    ops = [line.split("*/", 1)[1].split()[0] for line in text.splitlines()
+    # an opcode may follow a predicate (@P0, @!P1)
+    ops = [next(w for w in line.split("*/", 1)[1].split() if not w.startswith("@")) for line in text.splitlines()
            if line.strip().startswith("/*") and line.rstrip().endswith(";") and "*/" in line]
     ops = [op for op in ops if op != ".byte"]
-    return f"{len(ops)} instructions, FMNMX {sum(op.startswith('FMNMX') for op in ops)} ({sum(op == 'FMNMX.NAN' for op in ops)} .NAN)"
+    shared = lambda kind: ",".join(f"{op.split('.', 1)[-1] if '.' in op else '32'}x{n}"
+                                   for op, n in sorted(collections.Counter(o for o in ops if o.split(".")[0] == kind).items()))
+    return (f"{len(ops)} instructions, FMNMX {sum(op.startswith('FMNMX') for op in ops)} ({sum(op == 'FMNMX.NAN' for op in ops)} "
+            f".NAN), shared stores {shared('STS')}, loads {shared('LDS')}; global stores {shared('STG')}, loads {shared('LDG')}")
+
+
+def qt_args(form: str, fp8_pointer: str, M: int) -> tuple[dict, dict]:
+    "The transposed output's pointer and row stride: FP8 bytes, or for form 'quads' 32-bit words of four tokens."
+    if form == "quads": return dict(qt_words_ptr=("*i32", 0)), dict(stride_qt_words=("i32", M // 4))
+    return dict(qt_ptr=(fp8_pointer, 0)), dict(stride_qt=("i32", M))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="10240x3584x18944", help="MxKxN")
+    p.add_argument("--forms", default="tile,chunks,quads", help="the kernel forms to compile (comma-separated)")
+    p.add_argument("--formats", default="e4m3,e5m2")
     args = p.parse_args(argv)
+    forms, formats = args.forms.split(","), args.formats.split(",")
     M, K, N = map(int, args.shape.split("x"))
     duals, requantizes = gk._quantize_kernels(), gk._requantize_kernels()
     def split(launch: dict, fmt: str):
@@ -63,22 +76,27 @@ def main(argv=None):
         options = {k: launch.pop(k) for k in COMPILER_OPTIONS if k in launch}        # the rest are the kernel's constexprs
         return form, f"{form:6} {name:22}", options, dict(gk._fp8_constants(fmt), EXACT_ROUNDING=False, G=gk.KERNEL_BLOCK, **launch)
     # the 1x128 scales are column-major (jetrl.kernels.empty_scales_1x128): a row stride of 1, a column stride of the rows
-    for launch, fmt, hp in itertools.product(gk.LAUNCH_CANDIDATES, ["e4m3", "e5m2"], [torch.bfloat16, torch.float32]):
+    for launch, fmt, hp in itertools.product(gk.LAUNCH_CANDIDATES, formats, [torch.bfloat16, torch.float32]):
         form, name, options, constants = split(launch, fmt)
+        if form not in forms: continue
         q = POINTER[fmt]
+        qt, stride_qt = qt_args(form, q, M)
         print(f"dual       {fmt} dy {str(hp):14} {name}:", ptxas_report(duals[form], dict(
-            x_ptr=(POINTER[hp], 0), q_ptr=(q, 0), scale_ptr=("*fp32", 0), qt_ptr=(q, 0), scale_t_ptr=("*fp32", 0), M=("i32", M),
+            x_ptr=(POINTER[hp], 0), q_ptr=(q, 0), scale_ptr=("*fp32", 0), **qt, scale_t_ptr=("*fp32", 0), M=("i32", M),
             N=("i32", N), stride_x=("i32", N), stride_x_col=("i32", 1), stride_q=("i32", N), stride_scale=("i32", 1),
-            stride_scale_col=("i32", M), stride_qt=("i32", M), stride_scale_t=("i32", 1), stride_scale_t_col=("i32", N)),
+            stride_scale_col=("i32", M), **stride_qt, stride_scale_t=("i32", 1), stride_scale_t_col=("i32", N)),
             constants, options))
-    for launch, fmt, hp in itertools.product(gk.REQUANTIZE_CANDIDATES, ["e4m3", "e5m2"], [torch.bfloat16, torch.float32]):
+    for launch, fmt, hp in itertools.product(gk.REQUANTIZE_CANDIDATES, formats, [torch.bfloat16, torch.float32]):
         form, name, options, constants = split(launch, fmt)
-        if form == "tile": constants.setdefault("COLS", gk.KERNEL_BLOCK)
+        if form not in forms: continue
+        if form != "chunks": constants.setdefault("COLS", gk.KERNEL_BLOCK)
+        if form == "quads": constants["QT_DTYPE"] = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}[fmt]
         q, grid = POINTER[fmt], gk._grid(hp)
+        qt, stride_qt = qt_args(form, q, M)
         print(f"requantize {fmt} to {str(hp):14} {name}:", ptxas_report(requantizes[form], dict(
-            q_ptr=(q, 0), s_ptr=("*fp32", 0), qt_ptr=(q, 0), scale_t_ptr=("*fp32", 0), M=("i32", M), K=("i32", K),
+            q_ptr=(q, 0), s_ptr=("*fp32", 0), **qt, scale_t_ptr=("*fp32", 0), M=("i32", M), K=("i32", K),
             stride_q=("i32", K), stride_q_col=("i32", 1), stride_s=("i32", 1), stride_s_col=("i32", M),
-            stride_qt=("i32", M), stride_scale_t=("i32", 1), stride_scale_t_col=("i32", K)),
+            **stride_qt, stride_scale_t=("i32", 1), stride_scale_t_col=("i32", K)),
             dict(constants, HP_DTYPE=TL_DTYPES[hp], HP_MANTISSA=grid["MANTISSA"], HP_MIN_EXP=grid["MIN_EXP"], HP_MAX=grid["MAX"]),
             options))
 
