@@ -227,8 +227,8 @@ def _quantize_kernels() -> dict:
 # form: "tile" (one pass, the whole 128x128 tile in registers), "chunks" (two passes of CHUNK rows) or "quads" (one
 # pass, the tile as four slices of every fourth token, packed four tokens to a 32-bit word before the transpose;
 # tokens a multiple of 4, else the launch of the UNALIGNED table runs); warps per tile
-DUAL_LAUNCH = dict(form="quads", num_warps=8)
-REQUANTIZE_LAUNCH = dict(form="quads", num_warps=8)
+DUAL_LAUNCH = dict(form="quads", num_warps=8)                   # measured fastest (session 17, see below)
+REQUANTIZE_LAUNCH = dict(form="quads", num_warps=4, COLS=64)
 DUAL_UNALIGNED = dict(form="tile", num_warps=8, maxnreg=128)     # two programs per SM: the fastest tile launch
 REQUANTIZE_UNALIGNED = dict(form="tile", num_warps=8)
 # every launch benchmarks/grad_quant.py --sweep times (and tests check byte for byte) for either kernel
@@ -241,7 +241,9 @@ LAUNCH_CANDIDATES = (dict(form="tile", num_warps=8), dict(form="tile", num_warps
 # tile: more programs, fewer registers each)
 REQUANTIZE_CANDIDATES = LAUNCH_CANDIDATES + (dict(form="tile", num_warps=4), dict(form="tile", num_warps=4, COLS=64),
                                              dict(form="tile", num_warps=8, COLS=64), dict(form="tile", num_warps=4, COLS=32),
-                                             dict(form="tile", num_warps=2, COLS=32), dict(form="quads", num_warps=4, COLS=64))
+                                             dict(form="tile", num_warps=2, COLS=32), dict(form="quads", num_warps=4, COLS=64),
+                                             dict(form="quads", num_warps=2, COLS=64), dict(form="quads", num_warps=8, COLS=64),
+                                             dict(form="quads", num_warps=2, COLS=32), dict(form="quads", num_warps=4, COLS=32))
 
 def _aligned(launch: dict, unaligned: dict, tokens: int) -> dict:
     "`launch`, or where its form packs four tokens to a word and `tokens` is not a multiple of 4, `unaligned`."
