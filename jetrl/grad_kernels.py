@@ -228,7 +228,7 @@ def _quantize_kernels() -> dict:
 # pass, the tile as four slices of every fourth token, packed four tokens to a 32-bit word before the transpose;
 # tokens a multiple of 4, else the launch of the UNALIGNED table runs); warps per tile
 DUAL_LAUNCH = dict(form="quads", num_warps=8)                   # measured fastest (session 17, see below)
-REQUANTIZE_LAUNCH = dict(form="quads", num_warps=4, COLS=64)
+REQUANTIZE_LAUNCH = dict(form="quads", num_warps=4, COLS=32)
 DUAL_UNALIGNED = dict(form="tile", num_warps=8, maxnreg=128)     # two programs per SM: the fastest tile launch
 REQUANTIZE_UNALIGNED = dict(form="tile", num_warps=8)
 # every launch benchmarks/grad_quant.py --sweep times (and tests check byte for byte) for either kernel
