@@ -14,8 +14,8 @@ Each pass is timed twice: `_ms` around one eager call (CUDA events; at small sha
 overhead: Python, the custom op, the FP8Tensor), and `_graph_ms` as the GPU's time alone (20 calls captured in one CUDA
 graph, replayed; repeated calls read the same input, so one that fits the H200's 50 MB L2, as dy at N=512 does,
 can show more than HBM's bandwidth). --sweep also times the dual quantizer at every launch of
-`jetrl.grad_kernels.LAUNCH_CANDIDATES` (form: one-pass tile or two-pass chunks, warps, register cap) and the requantizer
-at every launch of `REQUANTIZE_CANDIDATES` (the same, and tiles of fewer columns), checks each one's bytes against the
+`jetrl.grad_kernels.LAUNCH_CANDIDATES` (form: tile or quads, warps, register cap) and the requantizer
+at every launch of `REQUANTIZE_CANDIDATES` (the forms with tiles of fewer columns), checks each one's bytes against the
 old passes, to choose DUAL_LAUNCH / REQUANTIZE_LAUNCH; it prints two compact tables per shape.
 """
 import argparse, json, sys

@@ -145,36 +145,6 @@ def _quantize_kernels() -> dict:
         tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(qt), mask=tl.trans(ok))
 
     @triton.jit
-    def quantize_dual_chunks(x_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, M, N, stride_x, stride_x_col, stride_q,
-                             stride_scale, stride_scale_col, stride_qt, stride_scale_t, stride_scale_t_col,
-                             FP8_MAX: tl.constexpr, TINY: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
-                             EXACT_ROUNDING: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr):
-        # One G x G tile of x (M, N), CHUNK rows at a time. Rows: 1xG groups, into q (M, N), a scale per row. Columns:
-        # Gx1 groups along the tokens; their amax gathered on the way down, then the chunks read again (from cache)
-        # and written transposed into qt (N, M), as Wgrad's GEMM reads it.
-        tile_m, tile_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)   # 64-bit offsets: M * N may pass 2^31
-        cols = tile_n * G + tl.arange(0, G)
-        col_ok = cols < N
-        col_amax = tl.zeros((1, G), dtype=tl.float32)
-        for start in range(0, G, CHUNK):
-            rows = tile_m * G + start + tl.arange(0, CHUNK)
-            ok = (rows < M)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
-            scale = scale_of_amax(amax_keeping_nan(x, 1)[:, None], FP8_MAX, TINY)                 # (CHUNK, 1)
-            q = to_fp8(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)
-            tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=ok)
-            tl.store(scale_ptr + rows[:, None] * stride_scale + tile_n * stride_scale_col, scale, mask=(rows < M)[:, None])
-            col_amax = max_keeping_nan(col_amax, amax_keeping_nan(x, 0)[None, :])
-        scale_t = scale_of_amax(col_amax, FP8_MAX, TINY)                                            # (1, G)
-        tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=col_ok[None, :])
-        for start in range(0, G, CHUNK):
-            rows = tile_m * G + start + tl.arange(0, CHUNK)
-            ok = (rows < M)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
-            qt = to_fp8(x, scale_t, qt_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)   # (CHUNK, G)
-            tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(qt), mask=tl.trans(ok))
-
-    @triton.jit
     def quantize_rows_1x128(x, rows, cols, row_ok, col_ok, q_ptr, scale_ptr, group, stride_q, stride_scale,
                             stride_scale_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr, MANTISSA: tl.constexpr,
                             MIN_EXP: tl.constexpr, EXACT_ROUNDING: tl.constexpr):
@@ -221,29 +191,25 @@ def _quantize_kernels() -> dict:
         store_transposed_in_words(qt_words_ptr, x0, x1, x2, x3, scale_t, quads, cols, M // 4, N, stride_qt_words,
                                   q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)   # qt: q's format
 
-    return dict(tile=quantize_dual_tile, chunks=quantize_dual_chunks, quads=quantize_dual_quads)
+    return dict(tile=quantize_dual_tile, quads=quantize_dual_quads)
 
 # %% ../nbs/00b_grad_kernels.ipynb #5f014467
-# form: "tile" (one pass, the whole 128x128 tile in registers), "chunks" (two passes of CHUNK rows) or "quads" (one
-# pass, the tile as four slices of every fourth token, packed four tokens to a 32-bit word before the transpose;
-# tokens a multiple of 4, else the launch of the UNALIGNED table runs); warps per tile
+# form: "tile" (the whole 128x128 tile in registers, transposed as bytes) or "quads" (the tile as four slices of every
+# fourth token, packed four tokens to a 32-bit word before the transpose; tokens a multiple of 4, else the launch of
+# the UNALIGNED table runs); warps per tile
 DUAL_LAUNCH = dict(form="quads", num_warps=8)                   # measured fastest (session 17, see below)
 REQUANTIZE_LAUNCH = dict(form="quads", num_warps=4, COLS=32)
 DUAL_UNALIGNED = dict(form="tile", num_warps=8, maxnreg=128)     # two programs per SM: the fastest tile launch
 REQUANTIZE_UNALIGNED = dict(form="tile", num_warps=8)
 # every launch benchmarks/grad_quant.py --sweep times (and tests check byte for byte) for either kernel
 LAUNCH_CANDIDATES = (dict(form="tile", num_warps=8), dict(form="tile", num_warps=8, maxnreg=128),
-                     dict(form="tile", num_warps=16), dict(form="chunks", CHUNK=32, num_warps=8),
-                     dict(form="chunks", CHUNK=64, num_warps=8), dict(form="quads", num_warps=4),
-                     dict(form="quads", num_warps=8), dict(form="quads", num_warps=8, maxnreg=128),
-                     dict(form="quads", num_warps=16))
-# the requantizer's too, and its narrower tiles (forms "tile" and "quads" with COLS < 128 columns of a 128-token
-# tile: more programs, fewer registers each)
-REQUANTIZE_CANDIDATES = LAUNCH_CANDIDATES + (dict(form="tile", num_warps=4), dict(form="tile", num_warps=4, COLS=64),
-                                             dict(form="tile", num_warps=8, COLS=64), dict(form="tile", num_warps=4, COLS=32),
-                                             dict(form="tile", num_warps=2, COLS=32), dict(form="quads", num_warps=4, COLS=64),
-                                             dict(form="quads", num_warps=2, COLS=64), dict(form="quads", num_warps=8, COLS=64),
-                                             dict(form="quads", num_warps=2, COLS=32), dict(form="quads", num_warps=4, COLS=32))
+                     dict(form="tile", num_warps=16), dict(form="quads", num_warps=4), dict(form="quads", num_warps=8),
+                     dict(form="quads", num_warps=8, maxnreg=128), dict(form="quads", num_warps=16))
+# the requantizer's, with narrower tiles (COLS < 128 columns of a 128-token tile: more programs, fewer registers each)
+REQUANTIZE_CANDIDATES = (dict(form="tile", num_warps=8), dict(form="tile", num_warps=2, COLS=32),
+                         dict(form="quads", num_warps=8), dict(form="quads", num_warps=4, COLS=64),
+                         dict(form="quads", num_warps=8, COLS=64), dict(form="quads", num_warps=2, COLS=32),
+                         dict(form="quads", num_warps=4, COLS=32))
 
 def _aligned(launch: dict, unaligned: dict, tokens: int) -> dict:
     "`launch`, or where its form packs four tokens to a word and `tokens` is not a multiple of 4, `unaligned`."
@@ -342,32 +308,6 @@ def _requantize_kernels() -> dict:
                  mask=(cols < K)[:, None] & (rows < M)[None, :])
 
     @triton.jit
-    def requantize_chunks(q_ptr, s_ptr, qt_ptr, scale_t_ptr, M, K, stride_q, stride_q_col, stride_s, stride_s_col,
-                          stride_qt, stride_scale_t, stride_scale_t_col, HP_DTYPE: tl.constexpr, HP_MANTISSA: tl.constexpr,
-                          HP_MIN_EXP: tl.constexpr, HP_MAX: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-                          MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, EXACT_ROUNDING: tl.constexpr, G: tl.constexpr,
-                          CHUNK: tl.constexpr):
-        # One G x G tile of the saved FP8 x (M, K), CHUNK rows at a time: dequantized in the backward's dtype, the
-        # columns' amax gathered, then each chunk again (from cache) quantized in Gx1 groups along the tokens and
-        # written transposed into qt (K, M), as Wgrad's GEMM reads it.
-        tile_m, tile_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)   # 64-bit offsets: M * K may pass 2^31
-        cols = tile_k * G + tl.arange(0, G)
-        col_amax = tl.zeros((1, G), dtype=tl.float32)
-        for start in range(0, G, CHUNK):
-            x = dequantize_rows(q_ptr, s_ptr, tile_m * G + start + tl.arange(0, CHUNK), cols, M, K, tile_k, stride_q,
-                                stride_q_col, stride_s, stride_s_col, HP_DTYPE, HP_MANTISSA, HP_MIN_EXP, HP_MAX, EXACT_ROUNDING)
-            col_amax = max_keeping_nan(col_amax, amax_keeping_nan(x, 0)[None, :])
-        scale_t = scale_of_amax(col_amax, FP8_MAX, TINY)                                            # (1, G)
-        tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=(cols < K)[None, :])
-        for start in range(0, G, CHUNK):
-            rows = tile_m * G + start + tl.arange(0, CHUNK)
-            x = dequantize_rows(q_ptr, s_ptr, rows, cols, M, K, tile_k, stride_q, stride_q_col, stride_s, stride_s_col,
-                                HP_DTYPE, HP_MANTISSA, HP_MIN_EXP, HP_MAX, EXACT_ROUNDING)
-            qt = to_fp8(x, scale_t, qt_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)   # (CHUNK, G)
-            tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(qt),
-                     mask=(cols < K)[:, None] & (rows < M)[None, :])
-
-    @triton.jit
     def requantize_quads(q_ptr, s_ptr, qt_words_ptr, scale_t_ptr, M, K, stride_q, stride_q_col, stride_s, stride_s_col,
                          stride_qt_words, stride_scale_t, stride_scale_t_col, HP_DTYPE: tl.constexpr,
                          HP_MANTISSA: tl.constexpr, HP_MIN_EXP: tl.constexpr, HP_MAX: tl.constexpr,
@@ -392,7 +332,7 @@ def _requantize_kernels() -> dict:
         store_transposed_in_words(qt_words_ptr, x0, x1, x2, x3, scale_t, quads, cols, M // 4, K, stride_qt_words,
                                   QT_DTYPE, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)
 
-    return dict(tile=requantize_tile, chunks=requantize_chunks, quads=requantize_quads)
+    return dict(tile=requantize_tile, quads=requantize_quads)
 
 # %% ../nbs/00b_grad_kernels.ipynb #2f156825
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the backward's dtypes the requantizer rounds to
@@ -406,15 +346,12 @@ def _requantize_op(x_data: torch.Tensor, x_scale: torch.Tensor, hp_dtype: torch.
         tl, hp = _triton()[1], _grid(hp_dtype)
         kernels = _requantize_kernels()
         kernel, launch = _kernel(kernels, _aligned(REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED, M), "REQUANTIZE_LAUNCH")
-        cols, chunks_form, quads_form = launch.get("COLS", G), kernel is kernels["chunks"], kernel is kernels["quads"]
-        if chunks_form and "COLS" in launch:
-            raise ValueError("REQUANTIZE_LAUNCH['COLS'] is the tile and quads forms': form 'chunks' reads 128 columns a program.")
+        cols, quads_form = launch.setdefault("COLS", G), kernel is kernels["quads"]
         if not (type(cols) is int and 0 < cols <= G and G % cols == 0):           # an int, not a bool
             raise ValueError(f"REQUANTIZE_LAUNCH['COLS'] must divide {G} (a power of two up to {G}), got {cols!r}.")
-        if not chunks_form: launch["COLS"] = cols
         if quads_form: launch["QT_DTYPE"] = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[data_t.dtype]
         qt = data_t.view(torch.int32) if quads_form else data_t                  # (K, M / 4) words
-        kernel[(math.ceil(M / G), math.ceil(K / cols))](          # G x COLS tiles (chunks: G x G)
+        kernel[(math.ceil(M / G), math.ceil(K / cols))](          # G x COLS tiles
             x_data, x_scale, qt, scale_t, M, K, x_data.stride(0), x_data.stride(1), x_scale.stride(0),
             x_scale.stride(1), qt.stride(0), *scale_t.stride(),
             HP_DTYPE={torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[hp_dtype],

@@ -123,7 +123,7 @@ def launch_tables():
 @needs_kernels
 @pytest.mark.parametrize("launch", LAUNCH_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_every_launch_candidate_gives_the_same_bytes(launch, launch_tables):
-    "Every launch the benchmark sweeps (one-pass tile, two-pass chunks) gives the CPU quantizer's bytes, both kernels."
+    "Every launch the benchmark sweeps (tile, quads; warps, register caps) gives the CPU quantizer's bytes, both kernels."
     for t in launch_tables: t.clear(); t.update(launch)
     for M, N in [(300, 200), (129, 256)]:                       # partial tiles along both dimensions
         dy = ragged_values(M, N, torch.bfloat16, seed=3)
@@ -138,7 +138,7 @@ def test_every_launch_candidate_gives_the_same_bytes(launch, launch_tables):
 @needs_kernels
 @pytest.mark.parametrize("launch", REQUANTIZE_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
-    "Every requantizer launch the benchmark sweeps (tile, chunks) gives the CPU oracle's bytes and scales."
+    "Every requantizer launch the benchmark sweeps (tile, quads; warps, columns) gives the CPU oracle's bytes and scales."
     launch_tables[1].clear(); launch_tables[1].update(launch)
     # partial groups both ways (K = 200: a tile's columns past K; 300 tokens: a partial group of 44), a partial
     # group of K, a single row, no rows
@@ -162,16 +162,28 @@ def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
 @needs_kernels
 def test_an_unknown_launch_form_fails_clearly(launch_tables):
     launch_tables[0].update(form="rows")
-    with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['chunks', 'quads', 'tile'\]"):
+    with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['quads', 'tile'\]"):
         quantize_dual_1x128(torch.randn(4, 8, device=DEVICE))
     x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
     for cols in (48, 0, 256):                                         # a requantizer tile's columns must divide 128
         launch_tables[1].clear(); launch_tables[1].update(form="tile", COLS=cols)
         with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['COLS'\] must divide 128"):
             requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
-    launch_tables[1].clear(); launch_tables[1].update(form="chunks", CHUNK=32, COLS=64)   # the tile form's only
-    with pytest.raises(ValueError, match="the tile and quads forms'"):
-        requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
+
+
+def test_quads_launches_only_where_the_tokens_fill_whole_words():
+    "The quads form packs four tokens to a word: other token counts take the tile form (the bytes are the same)."
+    from jetrl.grad_kernels import (_aligned, DUAL_LAUNCH, DUAL_UNALIGNED, REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED)
+    assert DUAL_LAUNCH["form"] == REQUANTIZE_LAUNCH["form"] == "quads"              # the defaults, as measured
+    for tokens in (4, 300, 10240):
+        assert _aligned(DUAL_LAUNCH, DUAL_UNALIGNED, tokens) is DUAL_LAUNCH
+        assert _aligned(REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED, tokens) is REQUANTIZE_LAUNCH
+    for tokens in (1, 129, 10241):
+        assert _aligned(DUAL_LAUNCH, DUAL_UNALIGNED, tokens) is DUAL_UNALIGNED
+        assert _aligned(REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED, tokens) is REQUANTIZE_UNALIGNED
+    assert DUAL_UNALIGNED["form"] == REQUANTIZE_UNALIGNED["form"] == "tile"
+    tile = dict(form="tile", num_warps=8)
+    assert _aligned(tile, DUAL_UNALIGNED, 129) is tile                               # a tile launch runs as it is
 
 
 # ---- x: Wgrad's operand from the saved FP8 copy ----

@@ -63,7 +63,7 @@ def qt_args(form: str, fp8_pointer: str, M: int) -> tuple[dict, dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="10240x3584x18944", help="MxKxN")
-    p.add_argument("--forms", default="tile,chunks,quads", help="the kernel forms to compile (comma-separated)")
+    p.add_argument("--forms", default="tile,quads", help="the kernel forms to compile (comma-separated)")
     p.add_argument("--formats", default="e4m3,e5m2")
     args = p.parse_args(argv)
     forms, formats = args.forms.split(","), args.formats.split(",")
@@ -89,7 +89,7 @@ def main(argv=None):
     for launch, fmt, hp in itertools.product(gk.REQUANTIZE_CANDIDATES, formats, [torch.bfloat16, torch.float32]):
         form, name, options, constants = split(launch, fmt)
         if form not in forms: continue
-        if form != "chunks": constants.setdefault("COLS", gk.KERNEL_BLOCK)
+        constants.setdefault("COLS", gk.KERNEL_BLOCK)
         if form == "quads": constants["QT_DTYPE"] = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}[fmt]
         q, grid = POINTER[fmt], gk._grid(hp)
         qt, stride_qt = qt_args(form, q, M)
