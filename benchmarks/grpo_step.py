@@ -118,11 +118,8 @@ def main(argv=None):
                    help="decode's long-K FP8 GEMMs (the down projections) by the Triton kernel, not the overlapped Gluon "
                         "kernel (jetrl.kernels.gluon_decode, on by default since session 13; the same bits)")
     p.add_argument("--requantize-launch", type=json.loads, default=None, metavar="JSON",
-                   help="Wgrad's requantizer launch, e.g. '{\"form\": \"tile\", \"num_warps\": 4, \"COLS\": 64}' (one of "
+                   help="Wgrad's requantizer launch, e.g. '{\"form\": \"quads\", \"num_warps\": 4, \"COLS\": 64}' (one of "
                         "jetrl.grad_kernels.REQUANTIZE_CANDIDATES; the same bytes), in place of REQUANTIZE_LAUNCH")
-    p.add_argument("--dual-launch", type=json.loads, default=None, metavar="JSON",
-                   help="dy's dual quantizer launch, e.g. '{\"form\": \"tile\", \"num_warps\": 8, \"maxnreg\": 128}' (one "
-                        "of jetrl.grad_kernels.LAUNCH_CANDIDATES; the same bytes), in place of DUAL_LAUNCH")
     p.add_argument("--entropy", action="store_true",
                    help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
                         "top-entropy mask)")
@@ -152,11 +149,6 @@ def main(argv=None):
             p.error(f"--requantize-launch {args.requantize_launch} is not one of REQUANTIZE_CANDIDATES (bytes checked by the "
                     f"tests): {jetrl.grad_kernels.REQUANTIZE_CANDIDATES}")
         jetrl.grad_kernels.REQUANTIZE_LAUNCH.clear(); jetrl.grad_kernels.REQUANTIZE_LAUNCH.update(args.requantize_launch)
-    if args.dual_launch is not None:
-        if args.dual_launch not in jetrl.grad_kernels.LAUNCH_CANDIDATES:
-            p.error(f"--dual-launch {args.dual_launch} is not one of LAUNCH_CANDIDATES (bytes checked by the tests): "
-                    f"{jetrl.grad_kernels.LAUNCH_CANDIDATES}")
-        jetrl.grad_kernels.DUAL_LAUNCH.clear(); jetrl.grad_kernels.DUAL_LAUNCH.update(args.dual_launch)
     jetrl.policy.fused_head_log_probs = args.fused_head
     jetrl.linear.quantize_in_producers = not args.no_producer_quant
     jetrl.linear.quantize_dy_in_producers = not args.no_dy_producer_quant
@@ -208,7 +200,6 @@ def main(argv=None):
                         dy_producer_quant=jetrl.linear.quantize_dy_in_producers, gluon_decode=jetrl.kernels.gluon_decode,
                         gluon_decode_launches=jetrl.gluon_kernels.launches,
                         requantize_launch=dict(jetrl.grad_kernels.REQUANTIZE_LAUNCH),
-                        dual_launch=dict(jetrl.grad_kernels.DUAL_LAUNCH),
                         # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
                         # on cuBLAS (its bits checked equal) / on jetrl's kernel
                         cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),

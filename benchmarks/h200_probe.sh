@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 17, call 4: the requantizer's default the quads form at 4 warps by 32 columns (call 3's sweep: the fastest at
-# three of the four shapes, 13-18% under 4 x 64); the backward's GPU tests with it, then the steps side by side.
+# all four shapes, 14-18% under 4 x 64); the backward's GPU tests with it, then the steps side by side.
 set -u
 OUT=${OUT:-benchmarks/results}
 export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -12,7 +12,8 @@ shapes of a 16 x 640-token micro-batch (10,240 tokens) and of the 7B rollout's d
 - the decode GEMMs of one 7B layer (fused q/k/v, o, fused gate+up by the Triton kernel; down by the overlapped Gluon
   kernel where the GPU has it).
 Without ncu it just runs them (a check that every kernel launches). --kernels picks a subset by name. On a machine
-without a GPU, under Triton's interpreter (`TRITON_INTERPRET=1`, small `--tokens`), it checks that every call runs.
+without a GPU, under Triton's interpreter (`TRITON_INTERPRET=1`), it checks that the calls run: there take a small
+`--tokens` and a few `--kernels` (e.g. `--tokens 256 --kernels 0.5b`; the 7B decode GEMMs are slow to interpret).
 """
 import argparse
 

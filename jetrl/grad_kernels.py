@@ -241,7 +241,8 @@ def _quantize_dual_op(dy2d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     (M, N), G = dy2d.shape, KERNEL_BLOCK
     (data, scale), (data_t, scale_t) = _fp8_buffers(M, N, dy2d, fmt), _fp8_buffers(N, M, dy2d, fmt)
     if M and N:
-        kernel, launch = _kernel(_quantize_kernels(), _aligned(DUAL_LAUNCH, DUAL_UNALIGNED, M), "DUAL_LAUNCH")
+        table = _aligned(DUAL_LAUNCH, DUAL_UNALIGNED, M)
+        kernel, launch = _kernel(_quantize_kernels(), table, "DUAL_LAUNCH" if table is DUAL_LAUNCH else "DUAL_UNALIGNED")
         qt = data_t.view(torch.int32) if kernel is _quantize_kernels()["quads"] else data_t   # (N, M / 4) words
         kernel[(math.ceil(M / G), math.ceil(N / G))](
             dy2d, data, scale, qt, scale_t, M, N, dy2d.stride(0), dy2d.stride(1), data.stride(0), *scale.stride(),
@@ -345,10 +346,12 @@ def _requantize_op(x_data: torch.Tensor, x_scale: torch.Tensor, hp_dtype: torch.
     if M and K:
         tl, hp = _triton()[1], _grid(hp_dtype)
         kernels = _requantize_kernels()
-        kernel, launch = _kernel(kernels, _aligned(REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED, M), "REQUANTIZE_LAUNCH")
+        table = _aligned(REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED, M)
+        name = "REQUANTIZE_LAUNCH" if table is REQUANTIZE_LAUNCH else "REQUANTIZE_UNALIGNED"
+        kernel, launch = _kernel(kernels, table, name)
         cols, quads_form = launch.setdefault("COLS", G), kernel is kernels["quads"]
         if not (type(cols) is int and 0 < cols <= G and G % cols == 0):           # an int, not a bool
-            raise ValueError(f"REQUANTIZE_LAUNCH['COLS'] must divide {G} (a power of two up to {G}), got {cols!r}.")
+            raise ValueError(f"{name}['COLS'] must divide {G} (a power of two up to {G}), got {cols!r}.")
         if quads_form: launch["QT_DTYPE"] = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[data_t.dtype]
         qt = data_t.view(torch.int32) if quads_form else data_t                  # (K, M / 4) words
         kernel[(math.ceil(M / G), math.ceil(K / cols))](          # G x COLS tiles

@@ -2,7 +2,7 @@
 zero rows, E4M3 and E5M2, bf16 / fp16 / fp32 inputs), and FP8LinearFunction's backward through them equals the old
 passes' dx and dW bit for bit. The kernels run where Triton runs: on a CUDA GPU, or on the CPU under Triton's interpreter
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_grad_kernels.py        (Triton installed; ~1 minute on 2 cores)
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_grad_kernels.py        (Triton installed; ~3 minutes)
 
 Elsewhere (CI: no Triton) those tests are skipped and only the input checks and errors run."""
 import pytest
@@ -169,6 +169,24 @@ def test_an_unknown_launch_form_fails_clearly(launch_tables):
         launch_tables[1].clear(); launch_tables[1].update(form="tile", COLS=cols)
         with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['COLS'\] must divide 128"):
             requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
+
+
+@needs_kernels
+def test_quads_kernels_run_on_whole_words_and_the_tile_kernels_otherwise(monkeypatch):
+    "The default launches do run the quads kernels where the tokens are a multiple of 4 (the tests above then check their bytes)."
+    ran, real = [], jetrl.grad_kernels._kernel
+    def spy(kernels, launch, table):
+        kernel, rest = real(kernels, launch, table)
+        ran.append(next(form for form, k in kernels.items() if k is kernel))
+        return kernel, rest
+    monkeypatch.setattr(jetrl.grad_kernels, "_kernel", spy)
+    for M, form in [(300, "quads"), (129, "tile")]:
+        ran.clear()
+        dy = ragged_values(M, 200, torch.bfloat16)
+        quantize_dual_1x128(dy.to(DEVICE))
+        x_fp8 = quantize_unchecked(dy, (1, G))
+        requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
+        assert ran == [form, form], (M, ran)
 
 
 def test_quads_launches_only_where_the_tokens_fill_whole_words():
