@@ -1,6 +1,7 @@
 """Compile jetrl.grad_kernels' two kernels for Hopper (sm_90) without a GPU, with the ptxas that ships in Triton's wheel,
-and print each launch's registers and spills. Arguments are specialized as Triton's JIT does at the given shape
-(strides of 1 become constants, multiples of 16 get divisibility hints).
+and print each launch's registers and spills, and its machine code's instruction count and memory instructions (shared
+and global loads and stores, by width: e.g. `U8x64` is 64 one-byte load instructions in the code). Arguments are specialized as
+Triton's JIT does at the given shape (strides of 1 become constants, multiples of 16 get divisibility hints).
 
     python tools/grad_kernels_sm90.py                    # M=10240 tokens, K=3584, N=18944; every launch of the sweep
                                                          # (LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES)
@@ -48,10 +49,11 @@ def sass_counts(cubin: bytes) -> str:
     ops = [next(w for w in line.split("*/", 1)[1].split() if not w.startswith("@")) for line in text.splitlines()
            if line.strip().startswith("/*") and line.rstrip().endswith(";") and "*/" in line]
     ops = [op for op in ops if op != ".byte"]
-    shared = lambda kind: ",".join(f"{op.split('.', 1)[-1] if '.' in op else '32'}x{n}"
+    memory_ops = lambda kind: ",".join(f"{op.split('.', 1)[-1] if '.' in op else '32'}x{n}"
                                    for op, n in sorted(collections.Counter(o for o in ops if o.split(".")[0] == kind).items()))
     return (f"{len(ops)} instructions, FMNMX {sum(op.startswith('FMNMX') for op in ops)} ({sum(op == 'FMNMX.NAN' for op in ops)} "
-            f".NAN), shared stores {shared('STS')}, loads {shared('LDS')}; global stores {shared('STG')}, loads {shared('LDG')}")
+            f".NAN), shared stores {memory_ops('STS')}, loads {memory_ops('LDS')}; global stores {memory_ops('STG')}, "
+            f"loads {memory_ops('LDG')}")
 
 
 def qt_args(form: str, fp8_pointer: str, M: int) -> tuple[dict, dict]:
