@@ -124,6 +124,23 @@ def _quantize_kernels() -> dict:
                      column_amax=column_amax)
 
     @triton.jit
+    def quantize_rows_1x128(x_ptr, rows, cols, M, N, stride_x, stride_x_col, q_ptr, scale_ptr, group, stride_q,
+                            stride_scale, stride_scale_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+                            MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, EXACT_ROUNDING: tl.constexpr):
+        # `rows` x G of x (M, N), one 1xG group per row (group `group` of its row), into q (M, N) with one scale per
+        # row; the rows come back in fp32, for the column groups
+        row_ok = rows < M
+        ok = row_ok[:, None] & (cols < N)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
+        scale = scale_of_amax(amax_keeping_nan(x, 1)[:, None], FP8_MAX, TINY)                     # (rows, 1)
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :],
+                 to_fp8(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING), mask=ok)
+        tl.store(scale_ptr + rows[:, None] * stride_scale + group * stride_scale_col, scale, mask=row_ok[:, None])
+        return x
+
+    globals().update(quantize_rows_1x128=quantize_rows_1x128)
+
+    @triton.jit
     def quantize_dual_tile(x_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, M, N, stride_x, stride_x_col, stride_q,
                            stride_scale, stride_scale_col, stride_qt, stride_scale_t, stride_scale_t_col,
                            FP8_MAX: tl.constexpr, TINY: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
@@ -132,32 +149,13 @@ def _quantize_kernels() -> dict:
         # Columns: Gx1 groups along the tokens, into qt (N, M), the tile stored transposed whole (G bytes per row of qt).
         tile_m, tile_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)   # 64-bit offsets: M * N may pass 2^31
         rows, cols = tile_m * G + tl.arange(0, G), tile_n * G + tl.arange(0, G)
-        row_ok, col_ok = rows < M, cols < N
-        ok = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :] * stride_x_col, mask=ok, other=0.0).to(tl.float32)
-        scale = scale_of_amax(amax_keeping_nan(x, 1)[:, None], FP8_MAX, TINY)                     # (G, 1)
+        x = quantize_rows_1x128(x_ptr, rows, cols, M, N, stride_x, stride_x_col, q_ptr, scale_ptr, tile_n, stride_q,
+                                stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
         scale_t = scale_of_amax(amax_keeping_nan(x, 0)[None, :], FP8_MAX, TINY)                   # (1, G)
-        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :],
-                 to_fp8(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING), mask=ok)
-        tl.store(scale_ptr + rows[:, None] * stride_scale + tile_n * stride_scale_col, scale, mask=row_ok[:, None])
-        tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=col_ok[None, :])
+        tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=(cols < N)[None, :])
         qt = to_fp8(x, scale_t, qt_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)       # (G, G)
-        tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(qt), mask=tl.trans(ok))
-
-    @triton.jit
-    def quantize_rows_1x128(x, rows, cols, row_ok, col_ok, q_ptr, scale_ptr, group, stride_q, stride_scale,
-                            stride_scale_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr, MANTISSA: tl.constexpr,
-                            MIN_EXP: tl.constexpr, EXACT_ROUNDING: tl.constexpr):
-        # rows x G of x (one 1xG group per row) into q, one scale per row; x is returned in fp32
-        x = x.to(tl.float32)
-        scale = scale_of_amax(amax_keeping_nan(x, 1)[:, None], FP8_MAX, TINY)
-        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :],
-                 to_fp8(x, scale, q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING),
-                 mask=row_ok[:, None] & col_ok[None, :])
-        tl.store(scale_ptr + rows[:, None] * stride_scale + group * stride_scale_col, scale, mask=row_ok[:, None])
-        return x
-
-    globals().update(quantize_rows_1x128=quantize_rows_1x128)
+        tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(qt),
+                 mask=(cols < N)[:, None] & (rows < M)[None, :])
 
     @triton.jit
     def quantize_dual_quads(x_ptr, q_ptr, scale_ptr, qt_words_ptr, scale_t_ptr, M, N, stride_x, stride_x_col, stride_q,
@@ -169,25 +167,16 @@ def _quantize_kernels() -> dict:
         # tokens, into qt (N, M) as 32-bit words of four tokens (`store_transposed_in_words`).
         tile_m, tile_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)   # 64-bit offsets: M * N may pass 2^31
         quads, cols = tile_m * (G // 4) + tl.arange(0, G // 4), tile_n * G + tl.arange(0, G)
-        col_ok = cols < N
-        x0 = tl.load(x_ptr + (4 * quads)[:, None] * stride_x + cols[None, :] * stride_x_col,
-                     mask=(4 * quads < M)[:, None] & col_ok[None, :], other=0.0)
-        x1 = tl.load(x_ptr + (4 * quads + 1)[:, None] * stride_x + cols[None, :] * stride_x_col,
-                     mask=(4 * quads + 1 < M)[:, None] & col_ok[None, :], other=0.0)
-        x2 = tl.load(x_ptr + (4 * quads + 2)[:, None] * stride_x + cols[None, :] * stride_x_col,
-                     mask=(4 * quads + 2 < M)[:, None] & col_ok[None, :], other=0.0)
-        x3 = tl.load(x_ptr + (4 * quads + 3)[:, None] * stride_x + cols[None, :] * stride_x_col,
-                     mask=(4 * quads + 3 < M)[:, None] & col_ok[None, :], other=0.0)
-        x0 = quantize_rows_1x128(x0, 4 * quads, cols, 4 * quads < M, col_ok, q_ptr, scale_ptr, tile_n, stride_q,
-                                 stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
-        x1 = quantize_rows_1x128(x1, 4 * quads + 1, cols, 4 * quads + 1 < M, col_ok, q_ptr, scale_ptr, tile_n, stride_q,
-                                 stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
-        x2 = quantize_rows_1x128(x2, 4 * quads + 2, cols, 4 * quads + 2 < M, col_ok, q_ptr, scale_ptr, tile_n, stride_q,
-                                 stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
-        x3 = quantize_rows_1x128(x3, 4 * quads + 3, cols, 4 * quads + 3 < M, col_ok, q_ptr, scale_ptr, tile_n, stride_q,
-                                 stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
+        x0 = quantize_rows_1x128(x_ptr, 4 * quads, cols, M, N, stride_x, stride_x_col, q_ptr, scale_ptr, tile_n,
+                                 stride_q, stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
+        x1 = quantize_rows_1x128(x_ptr, 4 * quads + 1, cols, M, N, stride_x, stride_x_col, q_ptr, scale_ptr, tile_n,
+                                 stride_q, stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
+        x2 = quantize_rows_1x128(x_ptr, 4 * quads + 2, cols, M, N, stride_x, stride_x_col, q_ptr, scale_ptr, tile_n,
+                                 stride_q, stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
+        x3 = quantize_rows_1x128(x_ptr, 4 * quads + 3, cols, M, N, stride_x, stride_x_col, q_ptr, scale_ptr, tile_n,
+                                 stride_q, stride_scale, stride_scale_col, FP8_MAX, TINY, MANTISSA, MIN_EXP, EXACT_ROUNDING)
         scale_t = scale_of_amax(column_amax(x0, x1, x2, x3), FP8_MAX, TINY)                       # (1, G)
-        tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=col_ok[None, :])
+        tl.store(scale_t_ptr + cols[None, :] * stride_scale_t + tile_m * stride_scale_t_col, scale_t, mask=(cols < N)[None, :])
         store_transposed_in_words(qt_words_ptr, x0, x1, x2, x3, scale_t, quads, cols, M // 4, N, stride_qt_words,
                                   q_ptr.dtype.element_ty, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)   # qt: q's format
 
