@@ -167,10 +167,10 @@ def main(argv=None):
                         "REQUANTIZE_CANDIDATES (bytes checked)")
     p.add_argument("--out", help="append one JSON line per shape to this file")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
     if args.sweep and args.tokens % 4:
         p.error(f"--sweep times the quads launches, which need tokens in multiples of 4 (else the tile form runs in "
                 f"their place): --tokens {args.tokens} is not")
+    if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
     M, ok = args.tokens, True
     for shape in args.shapes.split(","):
         K, N = map(int, shape.split("x"))
