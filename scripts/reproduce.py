@@ -445,8 +445,24 @@ def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], m
             "is_ratio_max": max(m["mismatch/is_ratio_max"] for m in history), "ess_mean": key("mismatch/ess"),
             "tis_clip_frac_mean": key("mismatch/tis_clip_frac"), "token_mult_prob_error_mean": key("mismatch/token_mult_prob_error"),
             "completion_length_mean": key("completions/mean_length"), "seconds_per_step": key("time/step"),
-            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command,
+            # the diagnostics of a learning difference: clipping split by the advantage's sign (TRL's clip_ratio/low_mean
+            # is the negative-advantage tokens below 1 - epsilon, high_mean the positive ones above 1 + epsilon_high, each
+            # a fraction of all completion tokens), entropy and gradient norm at the end of training
+            "clip_frac_neg_adv": key("clip_ratio/low_mean"), "clip_frac_pos_adv": key("clip_ratio/high_mean"),
+            "entropy_first": _mean([m.get("entropy") for m in history[:w]]),
+            "entropy_last": _mean([m.get("entropy") for m in history[-w:]]),
+            "grad_norm_mean": key("grad_norm"), "kl_to_prev_policy_mean": key("drift/kl_to_prev_policy"),
+            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command, **provenance(),
             "complete": None}                                  # write_report: whether every run of the set is finished
+
+def provenance() -> dict:
+    """The date and the commit of the code that wrote a row: $JETRL_GIT_SHA where set (a copy of the tree without its
+    .git, as on a GPU machine), else git's short sha ('unknown' outside a git checkout)."""
+    import datetime, os, subprocess
+    if os.environ.get("JETRL_GIT_SHA"): return {"date": datetime.date.today().isoformat(), "git_sha": os.environ["JETRL_GIT_SHA"]}
+    try: sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError): sha = "unknown"
+    return {"date": datetime.date.today().isoformat(), "git_sha": sha}
 
 def _fmt(x, spec=".2f") -> str: return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -634,7 +650,8 @@ def report_from_results(results: Path, out: Path, log=print, plotlyjs: str = "in
 RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "accuracy_first", "accuracy_last", "diverged",
                "eval_accuracy_before", "eval_accuracy_after",
                "kl_k3_mean", "logp_abs_diff_mean", "is_ratio_min", "is_ratio_max", "ess_mean", "tis_clip_frac_mean",
-               "completion_length_mean", "seconds_per_step", "preset", "complete", "command")
+               "completion_length_mean", "seconds_per_step", "clip_frac_neg_adv", "clip_frac_pos_adv", "entropy_first",
+               "entropy_last", "grad_norm_mean", "kl_to_prev_policy_mean", "preset", "complete", "command", "date", "git_sha")
 
 def _count_params(model_name: str) -> int:
     config = Path(model_name) / "config.json"
