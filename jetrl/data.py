@@ -48,6 +48,7 @@ def dataset_rows(dataset: Any) -> list[dict[str, Any]]:
                              "(they are passed to the reward functions as keyword lists)")
     return rows
 
+# %% ../nbs/03a_data.ipynb #c488dbdb
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     "The rows of a JSONL file (one JSON object per line, blank lines skipped), checked by `dataset_rows`."
     rows = []

@@ -222,6 +222,7 @@ def _pad_scale_column_major(scale: torch.Tensor, rows: int, cols: int) -> torch.
     if scale.shape == (rows, cols): return _column_major(scale)
     return F.pad(scale.t(), (0, rows - scale.shape[0], 0, cols - scale.shape[1]), value=1.0).t()
 
+# %% ../nbs/00_fp8.ipynb #947189f0
 # inputs keep the strides they were made in (jetrl's quantizers write the activations' scales column-major, as the
 # kernel reads them): under torch.compile inductor must not make them contiguous, which would cost a copy there and
 # the copy back here
@@ -252,6 +253,11 @@ def _fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, bt_data: torch.Tensor
     out = scaled_mm(a_data, bt_data.t(), a_scale, ScalingType.BlockWise1x128, bt_scale, b_recipe, output_dtype=out_dtype)
     return out[:M, :N].contiguous()
 
+@_fp8_gemm.register_fake
+def _(a_data, a_scale, bt_data, bt_scale, layout, out_dtype):
+    return a_data.new_empty((a_data.shape[0], bt_data.shape[0]), dtype=out_dtype)
+
+# %% ../nbs/00_fp8.ipynb #aa52516e
 def kernel_weight_scale(w_fp8: FP8Tensor) -> torch.Tensor | None:
     """The 128x128 block scales of a weight (N, K) as the blockwise kernel reads them: (N/128, K/128 rounded up
     to 4) padded with ones. Made once per weight sync, it saves two small kernels per GEMM of every decode step.
@@ -260,10 +266,6 @@ def kernel_weight_scale(w_fp8: FP8Tensor) -> torch.Tensor | None:
     N, K = w_fp8.shape
     padded = _pad_scale(w_fp8.scale, _round_up(N, KERNEL_BLOCK) // KERNEL_BLOCK, _round_up(_round_up(K, KERNEL_BLOCK) // KERNEL_BLOCK, 4))
     return padded.contiguous() if padded is not w_fp8.scale else padded.clone(memory_format=torch.contiguous_format)  # never an alias
-
-@_fp8_gemm.register_fake
-def _(a_data, a_scale, bt_data, bt_scale, layout, out_dtype):
-    return a_data.new_empty((a_data.shape[0], bt_data.shape[0]), dtype=out_dtype)
 
 # %% ../nbs/00_fp8.ipynb #6575d955
 def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32, backend: str = "auto",

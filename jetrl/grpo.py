@@ -131,6 +131,24 @@ def policy_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
     if level == "sequence": log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     return log_ratio.exp()
 
+# %% ../nbs/06_grpo.ipynb #8e6539bc
+def _loss_stats(ratio, adv, is_weight, mask, config, entropy_mask, kl) -> dict:
+    "Fractions of tokens clipped, the correction's weights, the tokens that count (TRL's metric names where it has one)."
+    with torch.no_grad():
+        ratio, is_weight = ratio.detach().expand_as(mask), is_weight.expand_as(mask)
+        if config.loss_type == "cispo": stats = {"cispo_clip_ratio": float(_masked_mean(((ratio > config.epsilon_high) & (adv > 0)).float(), mask))}
+        else:
+            low = ((ratio < 1 - config.epsilon) & (adv < 0)).float()
+            high = ((ratio > 1 + config.clip_high) & (adv > 0)).float()
+            stats = {"clip_ratio/low_mean": float(_masked_mean(low, mask)), "clip_ratio/high_mean": float(_masked_mean(high, mask)),
+                     "clip_ratio/region_mean": float(_masked_mean(low + high, mask))}
+        stats |= {"correction/weight_mean": float(_masked_mean(is_weight, mask)),
+                  "correction/masked_frac": float(_masked_mean((is_weight == 0).float(), mask)), "loss/tokens": float(mask.sum())}
+        if entropy_mask is not None: stats["loss/entropy_kept_frac"] = float(_masked_mean(entropy_mask.float(), mask))
+        if kl is not None: stats["kl"] = float(_masked_mean(kl.detach().expand_as(mask), mask))
+    return stats
+
+# %% ../nbs/06_grpo.ipynb #4d99e2ec
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, config: GRPOConfig, ref_logp: torch.Tensor | None = None,
               truncated: torch.Tensor | None = None, loss_normalizer: float | None = None,
@@ -163,19 +181,3 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Te
     elif config.loss_type == "dr_grpo": loss = token_loss.sum() / (mask.shape[0] * config.max_completion_length)
     else: loss = token_loss.sum() / max(float(mask.sum()) if loss_normalizer is None else loss_normalizer, 1.0)
     return loss, _loss_stats(ratio, adv, is_weight, mask, config, entropy_mask, kl if config.beta > 0 else None)
-
-def _loss_stats(ratio, adv, is_weight, mask, config, entropy_mask, kl) -> dict:
-    "Fractions of tokens clipped, the correction's weights, the tokens that count (TRL's metric names where it has one)."
-    with torch.no_grad():
-        ratio, is_weight = ratio.detach().expand_as(mask), is_weight.expand_as(mask)
-        if config.loss_type == "cispo": stats = {"cispo_clip_ratio": float(_masked_mean(((ratio > config.epsilon_high) & (adv > 0)).float(), mask))}
-        else:
-            low = ((ratio < 1 - config.epsilon) & (adv < 0)).float()
-            high = ((ratio > 1 + config.clip_high) & (adv > 0)).float()
-            stats = {"clip_ratio/low_mean": float(_masked_mean(low, mask)), "clip_ratio/high_mean": float(_masked_mean(high, mask)),
-                     "clip_ratio/region_mean": float(_masked_mean(low + high, mask))}
-        stats |= {"correction/weight_mean": float(_masked_mean(is_weight, mask)),
-                  "correction/masked_frac": float(_masked_mean((is_weight == 0).float(), mask)), "loss/tokens": float(mask.sum())}
-        if entropy_mask is not None: stats["loss/entropy_kept_frac"] = float(_masked_mean(entropy_mask.float(), mask))
-        if kl is not None: stats["kl"] = float(_masked_mean(kl.detach().expand_as(mask), mask))
-    return stats

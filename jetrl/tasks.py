@@ -121,6 +121,7 @@ def _evaluate_node(node: ast.AST, numbers_used: list[int]) -> Fraction:
         raise ExpressionError(f"a value exceeds {MAX_ABS_VALUE:.0e} in size")
     return value
 
+# %% ../nbs/03_tasks.ipynb #369fe08d
 def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
     "Exact value of the arithmetic `text` and the numbers it uses, in order. Raises ExpressionError; never `eval`s."
     if len(text) > MAX_EXPRESSION_CHARS:
@@ -302,6 +303,7 @@ def check_int(name: str, value: Any, low: int, high: int) -> int:
         raise ValueError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
     return value
 
+# %% ../nbs/03_tasks.ipynb #539c8a72
 class Task:
     "What every task shares: seeded `sample(n)`, a correctness `reward` and a `rewards()` set. Subclasses are frozen dataclasses."
     name: ClassVar[str]
@@ -420,6 +422,7 @@ def chain_steps_reward(prompts: list, completions: list, intermediate: Sequence[
         scores.append(found / len(expected) if expected else 0.0)
     return scores
 
+# %% ../nbs/03_tasks.ipynb #629b7885
 @dataclass(frozen=True)
 class ArithmeticChainTask(Task):
     "Apply `steps` operations in order to a start number, writing each result: a long-answer arithmetic task."
