@@ -9,14 +9,14 @@ __all__ = ['ANSWER_OPEN', 'ANSWER_CLOSE', 'DEFAULT_ANSWER_FORMAT', 'ANSWER_FORMA
            'NUMBER_PATTERN', 'PLAIN_NUMBER_PATTERN', 'MAX_EXPRESSION_CHARS', 'EXPRESSION_PATTERN', 'MAX_ABS_VALUE',
            'BINARY_OPERATORS', 'RewardFn', 'COMPLETION_PREVIEW_CHARS', 'DEFAULT_FORMAT_WEIGHT', 'MAX_ROWS',
            'MAX_DIGITS', 'MAX_OPERANDS', 'ARITHMETIC_OPERATORS', 'NUMBER_ANSWER_FORMATS', 'MAX_STEPS',
-           'CHAIN_STEPS_WEIGHT', 'STEP_WORDS', 'MAX_COUNTDOWN_NUMBERS', 'MAX_COUNTDOWN_NUMBER', 'MAX_GENERATION_TRIES',
-           'COUNTDOWN_ANSWER_FORMATS', 'GSM8K_ANSWER_MARK', 'TASKS', 'check_answer_format', 'make_prompt',
-           'completion_text', 'extract_answer', 'parse_number', 'ExpressionError', 'evaluate_expression',
-           'number_reward', 'follows_format', 'format_reward', 'countdown_score', 'countdown_reward',
-           'RewardFunctionWarning', 'RewardScores', 'call_reward_safely', 'RewardSet', 'combine_rewards', 'check_int',
-           'Task', 'check_operators', 'random_number', 'evaluate_with_precedence', 'ArithmeticTask',
-           'chain_steps_reward', 'ArithmeticChainTask', 'CountdownTask', 'extract_reference_answer', 'read_gsm8k',
-           'GSM8KTask', 'get_task', 'to_chat']
+           'CHAIN_STEPS_WEIGHT', 'STEP_WORDS', 'CHAIN_NUMBERS_BETWEEN_RESULTS', 'MAX_COUNTDOWN_NUMBERS',
+           'MAX_COUNTDOWN_NUMBER', 'MAX_GENERATION_TRIES', 'COUNTDOWN_ANSWER_FORMATS', 'GSM8K_ANSWER_MARK', 'TASKS',
+           'check_answer_format', 'make_prompt', 'completion_text', 'extract_answer', 'parse_number', 'ExpressionError',
+           'evaluate_expression', 'number_reward', 'follows_format', 'format_reward', 'countdown_score',
+           'countdown_reward', 'RewardFunctionWarning', 'RewardScores', 'call_reward_safely', 'RewardSet',
+           'combine_rewards', 'check_int', 'Task', 'check_operators', 'random_number', 'evaluate_with_precedence',
+           'ArithmeticTask', 'chain_steps_reward', 'ArithmeticChainTask', 'CountdownTask', 'extract_reference_answer',
+           'read_gsm8k', 'GSM8KTask', 'get_task', 'to_chat']
 
 # %% ../nbs/03_tasks.ipynb #cell-003
 import ast
@@ -408,17 +408,26 @@ def _written_equals(number: str, value: Fraction, canonical: str) -> bool:
     ratio = _written_ratio(number)
     return ratio is not None and ratio[0] * value.denominator == value.numerator * ratio[1]
 
+# A step written out ("17 + 5 = 22") holds its two operands before its result: a result may follow the previous one
+# (or the completion's start) after at most this many other numbers, one more for a label ("Step 3:"). Without this
+# bound, a completion listing every number (0 1 2 ... 299) would hold any increasing chain's results in order.
+CHAIN_NUMBERS_BETWEEN_RESULTS = 3
+
 def chain_steps_reward(prompts: list, completions: list, intermediate: Sequence[Sequence[str]], **columns) -> list[float]:
-    "Fraction of the `intermediate` results found, in order, among the numbers of each completion; one pass over it."
+    """Fraction of the `intermediate` results found in order among the numbers of each completion, each within
+    CHAIN_NUMBERS_BETWEEN_RESULTS other numbers of the previous one (or of the start); one pass over it."""
     scores = []
     for completion, expected in zip(completions, intermediate, strict=True):
         text, wanted = completion_text(completion), [parse_number(str(value)) for value in expected]
         canonical = [str(value) for value in wanted]  # '12' for 12, '7/2' for 3.5: never a match, so the exact check runs
-        found = 0
+        found = others = 0
         if len(text) <= MAX_COMPLETION_CHARS and None not in wanted:
             for match in NUMBER_PATTERN.finditer(text):
                 if found == len(wanted): break
-                if _written_equals(match.group(), wanted[found], canonical[found]): found += 1
+                if _written_equals(match.group(), wanted[found], canonical[found]): found, others = found + 1, 0
+                else:
+                    others += 1
+                    if others > CHAIN_NUMBERS_BETWEEN_RESULTS: break      # a list of numbers, not worked steps
         scores.append(found / len(expected) if expected else 0.0)
     return scores
 

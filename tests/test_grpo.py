@@ -204,3 +204,14 @@ def test_loop_options_run(model_dir, tmp_path):
     assert run.ref_model is not None and all(not p.requires_grad for p in run.ref_model.parameters())
     last = run.history[-1]
     assert "reuse/ratio_mean" in last and last["grad_norm"] >= 0
+
+
+@pytest.mark.parametrize("name, value", [("epsilon_high", float("nan")), ("delta", float("nan")), ("beta", float("nan")),
+                                         ("beta", float("inf")), ("rollout_importance_sampling_clip_max", float("nan")),
+                                         ("epsilon", float("nan")), ("top_entropy_quantile", float("nan")), ("beta", "0.1")])
+def test_grpo_config_refuses_nan_inf_and_strings(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a (finite )?number"):
+        GRPOConfig(**{name: value})
+
+def test_grpo_config_takes_an_infinite_is_cap_as_no_cap():
+    assert GRPOConfig(rollout_importance_sampling_clip_max=float("inf")).rollout_importance_sampling_clip_max == float("inf")

@@ -336,3 +336,16 @@ def test_gsm8k_bad_knobs(tmp_path):
         GSM8KTask(path, shuffle="yes")
     with pytest.raises(ValueError, match="answer_format must be one of"):
         GSM8KTask(path, answer_format="last_line")
+
+
+def test_chain_steps_reward_cannot_be_gamed_by_listing_numbers():
+    "A completion that lists 0 1 ... 299 holds any increasing chain's results in order; it must earn no step credit."
+    row = ArithmeticChainTask(steps=6, digits=1, operators="+", seed=3).sample(1)[0]
+    assert all(int(a) < int(b) < 300 for a, b in zip(row["intermediate"], row["intermediate"][1:]))   # increasing
+    assert int(row["intermediate"][0]) > 3                     # the listing is then over its bound before the first result
+    listing = " ".join(str(n) for n in range(300))
+    assert chain_steps_reward(None, [listing], intermediate=[row["intermediate"]]) == [0.0]
+    worked, value = [], row["prompt"].split("Start with ")[1].split(".")[0]
+    for result in row["intermediate"]:                         # "a + b = c" per line, as a worked solution writes it
+        worked.append(f"Step {len(worked) + 1}: {value} + {int(result) - int(value)} = {result}"); value = result
+    assert chain_steps_reward(None, ["\n".join(worked)], intermediate=[row["intermediate"]]) == [1.0]
