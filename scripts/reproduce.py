@@ -317,6 +317,14 @@ GPU_STEPS = 30
 GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
 GPU_LR = 2e-5
+# The long preset: a worked step is ~11 tokens of this tokenizer, so 200-step chains give worked solutions of ~2,180
+# tokens (`worked_tokens`); the prompt lists the 200 moves (~800 tokens). Its rows per step are half the gpu preset's
+# so that a run's 30 steps fit one device call (a run's checkpoint is too large to carry between calls unfinished).
+LONG_CHAIN_STEPS = 200
+LONG_NEW_TOKENS = 2560
+LONG_POSITIONS = 4096
+LONG_PROMPTS = 64
+LONG_SFT_STEPS = 800
 
 PRESETS = {
     "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
@@ -331,6 +339,13 @@ PRESETS = {
                           steps=GPU_STEPS, prompts_per_step=GPU_PROMPTS, group_size=8, max_new_tokens=640, lr=GPU_LR, record_samples=1,
                           position_bucket=64, micro_batch_size=128, warmup_steps=5),
                   sft=SFTSpec(steps=GPU_SFT_STEPS)),
+    "gpu-long": Preset("gpu-long", "GPU, toward the paper's regime: the 22M-parameter Qwen2 trained on 200-step chains, GRPO with "
+                       "~2,200-token completions", ("bf16", "jet", "fp8-rollout"), (0, 1, 2),
+                       _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", LONG_CHAIN_STEPS)),
+                               steps=GPU_STEPS, prompts_per_step=LONG_PROMPTS, group_size=8, max_new_tokens=LONG_NEW_TOKENS,
+                               lr=GPU_LR, record_samples=1, position_bucket=256, micro_batch_size=32, warmup_steps=5),
+                       sft=SFTSpec(steps=LONG_SFT_STEPS, batch_size=16, chain_steps=(8, 32, 64, 128, LONG_CHAIN_STEPS),
+                                   max_positions=LONG_POSITIONS)),
 }
 
 
