@@ -19,7 +19,7 @@ Every (strategy, mode) runs a warm-up step first (CUDA-graph capture), then `--s
 shape, rebuilt from the same seed. Modes: fast (default kernels) and exact (Policy(exact=True): batch-invariant
 kernels everywhere, bitwise engine == trainer). Kernel choices: `--kernels name=value,...` (jetrl.options.KernelOptions).
 """
-import argparse, gc, sys, time
+import argparse, gc
 import torch
 
 from benchmarks.common import add_output_args, build, emit, make_row, synced_clock
