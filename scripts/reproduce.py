@@ -247,8 +247,8 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
 def check_base_format(folder: Path, spec: SFTSpec, n: int = 10) -> None:
     """The saved base, loaded as GRPO and the held-out eval load it, must read and write SFT's exact token ids: each
     prompt through the rollout engine's own encoding (chat template included), each worked solution, and EOS as the
-    engine's stop token. A RuntimeError names the first difference (transformers 5 once gave this Qwen2 folder
-    Qwen2Tokenizer's pre-tokenizer: every GRPO prompt was then ids the model never saw, and accuracy was 0)."""
+    engine's stop token. A RuntimeError names the first difference (transformers 5 can give this Qwen2 folder
+    Qwen2Tokenizer's pre-tokenizer: every GRPO prompt is then ids the model never saw, and accuracy is 0)."""
     from transformers import PreTrainedTokenizerFast
     from jetrl.rollout import RolloutEngine, _prompt_token_ids
     sft_tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")           # what SFT trained with

@@ -53,7 +53,7 @@ if ! [ -x "$VENV/bin/python" ] || ! "$PY" -c "import vllm" 2>/dev/null; then
 fi
 [ "${1:-}" = venv ] && exit $FAILED
 
-[ -x "$VENV/bin/nbdev-test" ] || "$PY" -m pip install -q nbdev     # venvs made before nbdev was on the list
+[ -x "$VENV/bin/nbdev-test" ] || "$PY" -m pip install -q nbdev     # a venv made without it
 if [ "${1:-}" = notebook ]; then timed vllm_notebook "$VENV/bin/nbdev-test" nbs/05b_vllm.ipynb --flags vllm; exit $FAILED; fi
 # 1. the tests: the vLLM half of tests/test_vllm.py runs here (and the rest again, against vLLM's torch/transformers)
 timed vllm_tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_vllm.py

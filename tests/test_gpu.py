@@ -287,8 +287,8 @@ def _gaps(policy, prompts, params, **engine_kwargs):
     return gap, rollout, engine
 
 
-# The default (fast) path: jet's gap may exceed BF16's by at most this factor (the issue's target); before the
-# batch-invariant Fprop it was 4x at the 0.5B shape and ~200x on this small model.
+# The default (fast) path: jet's gap may exceed BF16's by at most this factor (the target); a trainer Fprop that is not
+# batch invariant puts it far above (4x at the 0.5B shape, ~200x on this small model).
 JET_OVER_BF16_GAP = 1.5
 
 
@@ -337,7 +337,7 @@ def test_exact_mode_engine_equals_trainer_bitwise(strategy, capsys):
 
 @cuda
 def test_default_jet_gap_within_bf16_at_realistic_depth(capsys):
-    "The default kernels at the 0.5B shape (24 layers, 256 tokens): jet's gap at most 1.5x BF16's (was 4x)."
+    "The default kernels at the 0.5B shape (24 layers, 256 tokens): jet's gap at most 1.5x BF16's."
     from jetrl.rollout import SamplingParams
     params, gaps = SamplingParams(n=4, max_new_tokens=256, seed=0, ignore_eos=True), {}
     for strategy in ("bf16", "jet"):
