@@ -1,31 +1,29 @@
 """What the trainer's forward keeps for backward, part by part, and the peak of one micro-batch's forward + backward.
 
-    python benchmarks/activation_memory.py --model qwen2-0.5b --layers 2 --rows 8 --seq 640 --strategies bf16,jet
-    python benchmarks/activation_memory.py --device cuda --model qwen2-0.5b --layers 24 --rows 64 --seq 640 \
+    python -m benchmarks activation_memory --model qwen2-0.5b --layers 2 --rows 8 --seq 640 --strategies bf16,jet
+    python -m benchmarks activation_memory --device cuda --model qwen2-0.5b --layers 24 --rows 64 --seq 640 \
         --strategies bf16,jet --out benchmarks/results/activation_memory_h200.jsonl
 
-One micro-batch of the GRPO step of `benchmarks/grpo_step.py`: `token_log_probs` (the engine's own layers,
+One micro-batch of the GRPO step of `python -m benchmarks grpo_step`: `token_log_probs` (the engine's own layers,
 `sequence_forward`, then the head and the log-softmax in chunks) and the GRPO loss, on a random-weight model of a real
 shape with `--layers` decoder layers, `--rows` x `--seq` tokens. Every tensor autograd saves is counted once (by its
 storage; parameters excluded) and charged to the part of the forward that saved it first: the innermost module and
 the function that called the op. Layer parts are given per token per layer, and extrapolated to `--target`
 (layers x rows x seq, default the 0.5B step of issue #11: 24 x 64 x 640).
 
-On the CPU the GPU's kernels cannot run, so by default (`--gpu-graph`) the same autograd graph is built with torch
-forwards in their place: `InvariantRMSNorm` and the attention run their custom autograd functions (which save what
-they save on a GPU) with `_reference_rms_norm` and SDPA inside. Besides the table: the bytes still allocated after the
+On the CPU the graph is the CPU's own (torch's RMSNorm and SDPA in place of the GPU's kernels). Besides the table: the bytes still allocated after the
 forward (what backward will need; CPU: torch's MemTracker, CUDA: the allocator) and the peak of forward + backward,
 both above what was allocated before (weights, gradients of earlier micro-batches).
 """
-import argparse, contextlib, json, re, sys
+import argparse, contextlib, dataclasses, re, sys
 from collections import defaultdict
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from rollout import RANDOM_MODELS                                   # benchmarks/rollout.py: the random model shapes
+from benchmarks.common import RANDOM_MODELS, add_output_args, emit, make_row, random_model_config
 from jetrl.grpo import GRPOConfig, grpo_loss
-from jetrl.policy import Policy, token_log_probs
-import jetrl.kernels as kernels
+from jetrl.linear import fp8_modules
+from jetrl.options import use_kernel_options
+from jetrl.policy import Policy, get_strategy, token_log_probs
 
 GB = 1e9
 _SOURCES = ("/jetrl/", "/transformers/", "/torch/nn/functional.py", "/torch/nn/modules/")
@@ -33,13 +31,11 @@ _SOURCES = ("/jetrl/", "/transformers/", "/torch/nn/functional.py", "/torch/nn/m
 
 def build_policy(model: str, layers: int, strategy: str, device: str, checkpointing: bool, vocab: int | None = None):
     "A Policy over a random-weight model of `model`'s shape with `layers` decoder layers (bf16, train mode)."
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = dict(RANDOM_MODELS[model]); cfg.pop("family")
-    cfg["num_hidden_layers"] = layers or cfg["num_hidden_layers"]
-    if vocab: cfg["vocab_size"] = vocab
+    from transformers import Qwen2ForCausalLM
+    overrides = dict(num_hidden_layers=layers or RANDOM_MODELS[model]["num_hidden_layers"]) | (dict(vocab_size=vocab) if vocab else {})
     torch.manual_seed(0)
     with torch.device(device):
-        net = Qwen2ForCausalLM(Qwen2Config(**cfg, eos_token_id=0, pad_token_id=0)).to(torch.bfloat16)
+        net = Qwen2ForCausalLM(random_model_config(model, **overrides)).to(torch.bfloat16)
     if checkpointing: net.gradient_checkpointing_enable()
     net.train()
     return Policy(net, None, _bf16_spec(strategy), device=device)
@@ -47,27 +43,7 @@ def build_policy(model: str, layers: int, strategy: str, device: str, checkpoint
 
 def _bf16_spec(strategy: str):
     "The strategy with bf16 high precision (the CPU default is fp32; the GPU's is bf16)."
-    import dataclasses
-    from jetrl.policy import get_strategy
     return dataclasses.replace(get_strategy(strategy), hp_dtype="bfloat16")
-
-
-@contextlib.contextmanager
-def gpu_graph_on_cpu():
-    """On the CPU, build the autograd graph the GPU builds: RMSNorm and attention through their custom autograd
-    functions (`_RMSNormFunction`, `_AttentionFunction`), whose forwards run torch's reference ops here."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    def attention(q, k, v, q_columns, key_valid, scale):
-        return sdpa(q, k, v, attn_mask=kernels.causal_key_mask(key_valid, q_columns), scale=scale,
-                    enable_gqa=k.shape[1] != q.shape[1])
-    patches = dict(invariant_kernels_available=lambda device: True, rms_norm_invariant=kernels._reference_rms_norm,
-                   attention_invariant=attention, matmul_invariant=lambda x2d, w: x2d @ w.t(),
-                   _silu_mul_op=lambda gate, up, fmt: (torch.nn.functional.silu(gate) * up, None, None))
-    saved = {name: getattr(kernels, name) for name in patches}
-    for name, fn in patches.items(): setattr(kernels, name, fn)
-    try: yield
-    finally:
-        for name, fn in saved.items(): setattr(kernels, name, fn)
 
 
 def _where(module_stack: list[str]) -> tuple[str, bool]:
@@ -139,7 +115,6 @@ class _Memory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); self.base = torch.cuda.memory_allocated()
         else:
-            from jetrl.linear import fp8_modules
             # the FP8 weight caches exist already: known tensors, else the tracker counts them where an op first reads them
             cached = [t for m in fp8_modules(self.model).values() if m._synced is not None
                       for t in (m._synced[2].data, m._synced[2].scale, m._synced[3]) if t is not None]
@@ -201,7 +176,7 @@ def report(strategy: str, result: dict, layers: int, rows: int, seq: int, target
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks activation_memory", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(RANDOM_MODELS))
     p.add_argument("--strategies", default="bf16,jet")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (0: the model's own count)")
@@ -211,32 +186,25 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=0, help="another vocabulary size (0: the model's); the layer parts do not depend on it")
     p.add_argument("--target", default="24x64x640", help="layers x rows x seq to extrapolate to")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--logprob-chunk", type=int, default=0,
-                   help="positions per chunk of the head's log-softmax (0: jetrl.policy.LOGPROB_CHUNK_TOKENS)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per decoder layer")
-    p.add_argument("--no-gpu-graph", action="store_true", help="CPU: the CPU's own graph (fp32-statistics RMSNorm, SDPA)")
     p.add_argument("--no-peak", action="store_true", help="only the table (no MemTracker pass)")
-    p.add_argument("--out", default=None, help="append one JSON object per strategy to this file")
+    add_output_args(p)
     args = p.parse_args(argv)
+    with use_kernel_options(args.kernels): run(args, argv)
+
+
+def run(args, argv):
     target = tuple(int(v) for v in args.target.split("x"))
-    if args.logprob_chunk:
-        import jetrl.policy
-        jetrl.policy.LOGPROB_CHUNK_TOKENS = args.logprob_chunk
-    emulate = args.device == "cpu" and not args.no_gpu_graph
-    command = "python benchmarks/activation_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for strategy in args.strategies.split(","):
-        with gpu_graph_on_cpu() if emulate else contextlib.nullcontext():
-            policy = build_policy(args.model, args.layers, strategy, args.device, args.checkpointing, args.vocab or None)
-            layers = policy.model.config.num_hidden_layers
-            result = measure(policy, args.rows, args.seq, args.prompt_len, not args.no_peak)
+        policy = build_policy(args.model, args.layers, strategy, args.device, args.checkpointing, args.vocab or None)
+        layers = policy.model.config.num_hidden_layers
+        result = measure(policy, args.rows, args.seq, args.prompt_len, not args.no_peak)
         print("\n".join(report(strategy, result, layers, args.rows, args.seq, target)) + "\n", flush=True)
-        if args.out:
-            row = dict(model=args.model, strategy=strategy, layers=layers, rows=args.rows, seq=args.seq, vocab=args.vocab or None,
-                       logprob_chunk=args.logprob_chunk or None,
-                       checkpointing=args.checkpointing, device=args.device, gpu_graph=emulate or args.device == "cuda",
-                       table={k: v[0] for k, v in result["table"].items()}, held_after_forward=result.get("held_after_forward"),
-                       peak=result.get("peak"), torch=torch.__version__, command=command)
-            with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+        row = dict(model=args.model, strategy=strategy, layers=layers, rows=args.rows, seq=args.seq, vocab=args.vocab or None,
+                   checkpointing=args.checkpointing, device=args.device,
+                   table={k: v[0] for k, v in result["table"].items()}, held_after_forward=result.get("held_after_forward"),
+                   peak=result.get("peak"))
+        emit(make_row("activation_memory", row, argv, args.device), args.out, echo=False)
         del policy
 
 

@@ -1,7 +1,7 @@
 """Time the FP8 linear's backward quantization on a GPU: the old passes against jetrl.grad_kernels' fused ones.
 
-    python benchmarks/grad_quant.py                      # Qwen2-7B linears, 16 x 640 = 10240 tokens
-    python benchmarks/grad_quant.py --sweep --out benchmarks/results/grad_quant_h200.jsonl
+    python -m benchmarks grad_quant                      # Qwen2-7B linears, 16 x 640 = 10240 tokens
+    python -m benchmarks grad_quant --sweep --out benchmarks/results/grad_quant_h200.jsonl
 
 Per linear shape (M tokens, K inputs, N outputs), blockwise recipe, bf16 activations and gradients:
 - old: (a) the saved FP8 x dequantized to bf16 (eager), (b) that copy quantized along the tokens (x.T, 1x128),
@@ -18,8 +18,10 @@ can show more than HBM's bandwidth). --sweep also times the dual quantizer at ev
 at every launch of `REQUANTIZE_CANDIDATES` (the forms with tiles of fewer columns), checks each one's bytes against the
 old passes, to choose DUAL_LAUNCH / REQUANTIZE_LAUNCH; it prints two compact tables per shape.
 """
-import argparse, json, sys
+import argparse, sys
 import torch
+
+from benchmarks.common import add_output_args, emit, event_time_ms, make_row, need_cuda
 
 from jetrl import grad_kernels
 from jetrl.grad_kernels import quantize_dual_1x128, requantize_for_wgrad, fused_grad_quantizers
@@ -31,14 +33,7 @@ QWEN2_7B = "3584x18944,18944x3584,3584x3584,3584x512"      # K x N: gate/up, dow
 
 def median_ms(fn, warmup: int = 3, reps: int = 20) -> float:
     "Median time of fn() in ms by CUDA events, after `warmup` calls (Triton compiles on the first)."
-    for _ in range(warmup): fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record(); torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return event_time_ms(fn, iters=reps, warmup=warmup)
 
 
 def graph_ms(fn, calls: int = 20, reps: int = 10) -> float:
@@ -159,18 +154,18 @@ def print_sweep(rows: list[dict]):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks grad_quant", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=10240, help="M: rows of a micro-batch (16 x 640 by default)")
     p.add_argument("--shapes", default=QWEN2_7B, help="comma-separated KxN of the linears")
     p.add_argument("--sweep", action="store_true",
                    help="also time the dual quantizer at every launch of LAUNCH_CANDIDATES, the requantizer at every one of "
                         "REQUANTIZE_CANDIDATES (bytes checked)")
-    p.add_argument("--out", help="append one JSON line per shape to this file")
+    add_output_args(p, kernels=False)
     args = p.parse_args(argv)
     if args.sweep and args.tokens % 4:
         p.error(f"--sweep times the quads launches, which need tokens in multiples of 4 (else the tile form runs in "
                 f"their place): --tokens {args.tokens} is not")
-    if not torch.cuda.is_available(): sys.exit("grad_quant.py needs a CUDA GPU (the kernels are Triton; the old passes too).")
+    need_cuda("grad_quant")
     M, ok = args.tokens, True
     for shape in args.shapes.split(","):
         K, N = map(int, shape.split("x"))
@@ -188,9 +183,7 @@ def main(argv=None):
             row["sweep"] = sweep(M, K, N)
             print_sweep(row["sweep"])
         ok &= row["bytes_equal"] and row["grads_equal"] and all(r["bytes_equal"] is not False for r in row.get("sweep", []))
-        row.update(command="python " + " ".join(sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-        if args.out:
-            with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+        emit(make_row("grad_quant", row, argv), args.out, echo=False)
     if not ok: sys.exit("MISMATCH: the fused passes gave other bytes or gradients than the old ones")
 
 

@@ -1,13 +1,12 @@
 """The GRPO step on a GPU, per precision strategy and kernel mode, side by side in one run: jetrl's headline benchmark.
 
-    python benchmarks/grpo_step.py --model qwen2-0.5b --prompts 32 --samples 8 --prompt-len 128 --new-tokens 512 \
-        --micro-batch 16 --out benchmarks/results/grpo_step_h200.jsonl
-    python benchmarks/grpo_step.py --model qwen2-7b --prompts 16 --samples 8 --prompt-len 128 --new-tokens 512 \
-        --micro-batch 4 --checkpointing --out benchmarks/results/grpo_step_h200.jsonl
-    python benchmarks/grpo_step.py --model qwen2-0.5b --strategies bf16,jet --micro-batch 64 --checkpointing \
-        --out benchmarks/results/grpo_step_h200.jsonl      # issue #11's memory target: micro-batches of 64 rows < 40 GB
-    python benchmarks/grpo_step.py --model qwen2-0.5b --strategies bf16,jet --cuda-graphs \
+    python -m benchmarks grpo_step --model qwen2-7b --strategies bf16,jet --prompts 16 --micro-batch 16 \
+        --out benchmarks/results/grpo_step_h200.jsonl
+    python -m benchmarks grpo_step --model qwen2-0.5b --strategies bf16,jet --cuda-graphs \
         --out benchmarks/results/grpo_step_h200.jsonl      # the trainer's log-probs from CUDA graphs (host-bound at 0.5B)
+    python -m benchmarks grpo_step --model qwen2-7b --strategies jet --prompts 16 --micro-batch 16 \
+        --kernels gluon_decode=false                       # one kernel choice against the default
+    torchrun --standalone --nproc-per-node 1 -m benchmarks grpo_step --distributed ...   # FSDP2 over the ranks
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
   rollout:  the engine generates samples x new-tokens per prompt (EOS ignored: every row generates the same tokens)
@@ -18,21 +17,16 @@ One step, timed phase by phase as `jetrl.train` runs it, on a random-weight mode
 plus tokens/s, peak GPU memory and the engine-vs-trainer gap of the same step (mean |log p_train - log p_rollout|).
 Every (strategy, mode) runs a warm-up step first (CUDA-graph capture), then `--steps` timed steps on the same model
 shape, rebuilt from the same seed. Modes: fast (default kernels) and exact (Policy(exact=True): batch-invariant
-kernels everywhere, bitwise engine == trainer).
+kernels everywhere, bitwise engine == trainer). Kernel choices: `--kernels name=value,...` (jetrl.options.KernelOptions).
 """
-import argparse, gc, json, sys, time
+import argparse, gc
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from rollout import build                                          # benchmarks/rollout.py: the random model shapes
+from benchmarks.common import add_output_args, build, emit, make_row, synced_clock
 from jetrl.grpo import GRPOConfig, group_advantages, grpo_loss
+from jetrl.options import use_kernel_options
 from jetrl.policy import Policy, GraphedLogProbs, token_log_probs
 from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs, micro_batches
-
-
-def timed(device):
-    if device.type == "cuda": torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator, sync=None,
@@ -41,13 +35,13 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
     policy's). `graphed`: the trainer's log-probs (old ones and the micro-batches' forward + backward) from CUDA graphs.
     `with_entropy`: the old log-probs with each position's entropy, as `jetrl.train` computes them."""
     device, config = policy.device, GRPOConfig(num_generations=params.n)
-    t0 = timed(device)
+    t0 = synced_clock(device)
     rollout = engine.generate(prompts, params)                                                   # rollout
-    t1 = timed(device)
+    t1 = synced_clock(device)
     old_logp = recompute_log_probs(policy.model, rollout, micro_batch_size=micro_batch, with_entropy=with_entropy,
                                    log_probs=graphed)                                            # trainer log-probs
     if with_entropy: old_logp, _ = old_logp
-    t2 = timed(device)
+    t2 = synced_clock(device)
     log_probs = graphed or (lambda ids, mask: token_log_probs(policy.model, ids, mask))
     rewards = torch.randn(len(rollout), generator=generator)
     advantages, _ = group_advantages(rewards, rollout.group.cpu(), "group")
@@ -62,9 +56,9 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
         loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
     optimizer.step()
-    t3 = timed(device)
+    t3 = synced_clock(device)
     sync = (sync or policy.sync_weights)()                                                       # sync
-    t4 = timed(device)
+    t4 = synced_clock(device)
     mask = rollout.completion_mask.bool()
     gap = (old_logp - rollout.logprobs).abs()[mask]
     return dict(rollout_s=t1 - t0, old_logp_s=t2 - t1, train_s=t3 - t2, sync_s=t4 - t3, step_s=t4 - t0,
@@ -73,7 +67,7 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks grpo_step", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2-0.5b")
     p.add_argument("--strategies", default="bf16,fp8-rollout,jet")
     p.add_argument("--modes", default="fast", help="comma-separated: fast, exact")
@@ -85,80 +79,34 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (0: all)")
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing per decoder layer: a layer keeps only its input for backward and runs its "
-                        "forward again there (the same numbers; benchmarks/activation_memory.py shows what each part keeps)")
+                        "forward again there (the same numbers; `activation_memory` shows what each part keeps)")
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--out", default=None)
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
-                   help="the engine runs q/k/v and gate/up as one GEMM each (default: RolloutEngine's, on a GPU on; "
-                        "--no-fuse-projections to compare)")
-    p.add_argument("--no-fused-grad", action="store_true",
-                   help="the FP8 backward's separate quantizer passes instead of jetrl.grad_kernels' fused ones (to compare)")
+                   help="the engine runs q/k/v and gate/up as one GEMM each (default: RolloutEngine's, on a GPU on)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the trainer's log-probs (no grad, and forward + backward) replayed from CUDA graphs (GraphedLogProbs)")
-    p.add_argument("--no-cublas-fprop", action="store_true",
-                   help="many-row FP8 GEMMs (the trainer's forward, prefill) on jetrl's Triton kernel at every shape, not "
-                        "on cuBLAS where it gives that kernel's bits (jetrl.kernels.cublas_when_same_bits; to compare)")
-    p.add_argument("--cublas-decode", action="store_true",
-                   help="decode GEMMs of 65-256 rows on cuBLAS too, where it gives the kernel's bits in less GPU time "
-                        "(jetrl.kernels.cublas_at_decode; off by default)")
-    p.add_argument("--fused-head", action=argparse.BooleanOptionalAction, default=None,
-                   help="the head's log-probs, trainer and sampler alike, by jetrl.kernels.selective_log_softmax "
-                        "(jetrl.policy.fused_head_log_probs; default: on a GPU; --no-fused-head for torch's formula)")
-    p.add_argument("--no-producer-quant", action="store_true",
-                   help="FP8 linears quantize their input themselves, not the RMSNorm / SiLU-mul kernels before them "
-                        "(jetrl.linear.quantize_in_producers = False; to compare)")
-    p.add_argument("--no-rotary-kernel", action="store_true",
-                   help="the rotary embedding and its gradient by torch's ops, not by jetrl's kernel "
-                        "(jetrl.kernels.rotary_kernel = False; to compare)")
-    p.add_argument("--no-dy-producer-quant", action="store_true",
-                   help="gate and up quantize their own dy for Dgrad, not the SiLU-mul's backward kernel "
-                        "(jetrl.linear.quantize_dy_in_producers = False; to compare)")
-    p.add_argument("--no-gluon-decode", dest="gluon_decode", action="store_false",
-                   help="decode's long-K FP8 GEMMs (the down projections) by the Triton kernel, not the overlapped Gluon "
-                        "kernel (jetrl.kernels.gluon_decode, on by default since session 13; the same bits)")
-    p.add_argument("--requantize-launch", type=json.loads, default=None, metavar="JSON",
-                   help="Wgrad's requantizer launch, e.g. '{\"form\": \"quads\", \"num_warps\": 4, \"COLS\": 64}' (one of "
-                        "jetrl.grad_kernels.REQUANTIZE_CANDIDATES; the same bytes), in place of REQUANTIZE_LAUNCH")
     p.add_argument("--entropy", action="store_true",
                    help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
                         "top-entropy mask)")
-    p.add_argument("--no-fused-entropy", action="store_true",
-                   help="--entropy: by torch's formula rather than jetrl.kernels.softmax_entropy's kernel "
-                        "(jetrl.kernels.fused_entropy = False; to compare)")
     p.add_argument("--distributed", action="store_true",
                    help="under torchrun: FSDP2 over the ranks (jetrl.distributed), each rank its block of prompts")
     p.add_argument("--sync-format", default="fp8", choices=("fp8", "hp"), help="--distributed: the weight sync's wire format")
+    add_output_args(p)
     args = p.parse_args(argv)
     if args.cuda_graphs and args.distributed:
         p.error("--cuda-graphs replays kernels, not FSDP's hooks: run it without --distributed")
-    if args.no_fused_entropy and not args.entropy:
-        p.error("--no-fused-entropy times torch's entropy formula: add --entropy (the old log-probs with the entropy)")
-    if args.no_fused_grad:
-        from jetrl.grad_kernels import fused_grad_quantizers
-        fused_grad_quantizers(False).__enter__()                     # for the whole process
-    import jetrl.kernels
-    jetrl.kernels.cublas_when_same_bits = not args.no_cublas_fprop
-    jetrl.kernels.cublas_at_decode = args.cublas_decode
-    jetrl.kernels.rotary_kernel = not args.no_rotary_kernel
-    jetrl.kernels.fused_entropy = not args.no_fused_entropy
-    jetrl.kernels.gluon_decode = args.gluon_decode
-    import jetrl.policy, jetrl.linear, jetrl.gluon_kernels, jetrl.grad_kernels
-    if args.requantize_launch is not None:
-        if args.requantize_launch not in jetrl.grad_kernels.REQUANTIZE_CANDIDATES:
-            p.error(f"--requantize-launch {args.requantize_launch} is not one of REQUANTIZE_CANDIDATES (bytes checked by the "
-                    f"tests): {jetrl.grad_kernels.REQUANTIZE_CANDIDATES}")
-        jetrl.grad_kernels.REQUANTIZE_LAUNCH.clear(); jetrl.grad_kernels.REQUANTIZE_LAUNCH.update(args.requantize_launch)
-    jetrl.policy.fused_head_log_probs = args.fused_head
-    jetrl.linear.quantize_in_producers = not args.no_producer_quant
-    jetrl.linear.quantize_dy_in_producers = not args.no_dy_producer_quant
+    with use_kernel_options(args.kernels):
+        run_all(args, argv)
+
+
+def run_all(args, argv):
     world = None
     if args.distributed:
         from jetrl.distributed import init_world, shard_policy, sync_rollout_weights, rank_block
         world = init_world()
     device = world.device if world else torch.device("cuda")
-    launch = f"torchrun --standalone --nproc-per-node {world.size} " if world else "python "
-    command = launch + "benchmarks/grpo_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    launcher = f"torchrun --standalone --nproc-per-node {world.size} -m benchmarks" if world else "python -m benchmarks"
     params = SamplingParams(n=args.samples, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
     for mode in args.modes.split(","):
         for strategy in args.strategies.split(","):
@@ -194,25 +142,12 @@ def main(argv=None):
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
-                        trainer_cuda_graphs=args.cuda_graphs, cublas_fprop=not args.no_cublas_fprop, cublas_decode=args.cublas_decode,
-                        fused_head=jetrl.policy.fused_head_active(device), producer_quant=jetrl.linear.quantize_in_producers,
-                        rotary_kernel=jetrl.kernels.rotary_kernel, entropy=args.entropy, fused_entropy=jetrl.kernels.fused_entropy,
-                        dy_producer_quant=jetrl.linear.quantize_dy_in_producers, gluon_decode=jetrl.kernels.gluon_decode,
-                        gluon_decode_launches=jetrl.gluon_kernels.launches,
-                        requantize_launch=dict(jetrl.grad_kernels.REQUANTIZE_LAUNCH),
-                        # many-row FP8 GEMM keys (shape, row count, dtypes, alignment) seen so far in this process:
-                        # on cuBLAS (its bits checked equal) / on jetrl's kernel
-                        cublas_shapes=sum(jetrl.kernels._fast_chosen.values()),
-                        kernel_shapes=sum(not v for v in jetrl.kernels._fast_chosen.values()),
+                        trainer_cuda_graphs=args.cuda_graphs, entropy=args.entropy,
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-                        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        torch=torch.__version__, command=command, gpus=world.size if world else 1,
-                        launcher="torchrun" if world else "single", sync_format=args.sync_format if world else None)
-            row = {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}
-            if not world or world.is_main:
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+                        gpus=world.size if world else 1, launcher="torchrun" if world else "single",
+                        sync_format=args.sync_format if world else None)
+            row = make_row("grpo_step", row, argv, device, launcher=launcher)
+            if not world or world.is_main: emit(row, args.out)
             del policy, engine, optimizer, model, graphed
             gc.collect()                                # FSDP2's modules and hooks refer to each other: freed by the collector
             torch.cuda.empty_cache()

@@ -1,18 +1,22 @@
 """Time a transformer MLP block, forward + backward, compiled: BF16 vs jetrl's FP8 linear per recipe, with
 torchao's float8 training in the same run as the reference.
 
-    python benchmarks/linear.py                     # 7B-shaped: d=4096, hidden=11008, 16384 tokens
-    python benchmarks/linear.py --tokens 2048 --out benchmarks/results/linear_small.json
+    python -m benchmarks linear                     # 7B-shaped: d=4096, hidden=11008, 16384 tokens
+    python -m benchmarks linear --out benchmarks/results/linear_h200.json
+    python -m benchmarks linear --tokens 2048 --no-torchao --reps 10      # a quicker, smaller run
 
-Prints one JSON object per configuration (recipe, implementation, ms, speedup_vs_bf16, TFLOP/s) and writes
-them all to --out. Needs a CUDA GPU with FP8 tensor cores (blockwise: Hopper); torchao is optional.
+One row per configuration (implementation, recipe, ms, speedup_vs_bf16, TFLOP/s, output SQNR), then a markdown table.
+Needs a CUDA GPU with FP8 tensor cores (blockwise: Hopper); torchao is optional (its blockwise prototype compiles for
+minutes).
 """
-import argparse, copy, json, logging, platform, statistics, sys, time, traceback
+import argparse, copy, logging, statistics, sys, time, traceback
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from benchmarks.common import add_output_args, emit, make_row, need_cuda
 from jetrl.linear import convert_to_fp8, get_recipe
+from jetrl.options import use_kernel_options
 
 
 class MLP(nn.Module):
@@ -76,7 +80,7 @@ def torchao_variants():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks linear", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=11008)
@@ -85,11 +89,14 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--out", default=None, help="write all results to this JSON file")
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels of each jetrl configuration")
+    add_output_args(p)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/linear.py needs a CUDA GPU (FP8 GEMMs); on CPU run the notebooks' emulated path instead.")
+    need_cuda("linear")
+    with use_kernel_options(args.kernels): run_all(args, argv)
+
+
+def run_all(args, argv):
 
     torch.manual_seed(0)
     device, dtype = "cuda", torch.bfloat16
@@ -118,8 +125,8 @@ def main(argv=None):
             grads = step(); torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a reference that fails here is reported, not fatal
             traceback.print_exc()                   # the whole story on stderr; the JSON line and the results file: its gist
-            error = {"impl": impl, "recipe": recipe, "error": repr(e)[:2000]}
-            print(json.dumps(error | {"error": repr(e)[:300]}), flush=True); results.append(error); continue
+            results.append(emit(make_row("linear", {"impl": impl, "recipe": recipe, "error": repr(e)[:2000]}, argv), args.out))
+            continue
         compile_s = time.perf_counter() - t0
         y = run(x).detach().float()
         out_sqnr = float(20 * torch.log10(y_ref.norm() / (y_ref - y).norm())) if impl != "torch" else float("inf")
@@ -130,19 +137,14 @@ def main(argv=None):
         row = dict(impl=impl, recipe=recipe, ms=round(ms, 3), ms_min=round(min(times), 3),
                    speedup_vs_bf16=round(bf16_ms / ms, 3), tflops=round(gemm_flops / ms / 1e9, 1),
                    output_sqnr_db=round(out_sqnr, 1), compile_s=round(compile_s, 1),
-                   tokens=args.tokens, dim=args.dim, hidden=args.hidden, compiled=not args.no_compile,
-                   device=torch.cuda.get_device_name(), torch=torch.__version__)
-        results.append(row)
-        print(json.dumps(row), flush=True)
+                   tokens=args.tokens, dim=args.dim, hidden=args.hidden, compiled=not args.no_compile)
+        results.append(emit(make_row("linear", row, argv), args.out))
         if args.profile and impl != "torchao": print_top_kernels(step, f"{impl} {recipe}")
         del model, run
         torch.cuda.empty_cache()
-        if args.out:  # rewritten after every configuration, so a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(dict(command="python " + " ".join(sys.argv), python=platform.python_version(),
-                               results=results), f, indent=1)
     print("\n| impl | recipe | ms | speedup vs bf16 | TFLOP/s | output SQNR dB |\n|---|---|---|---|---|---|")
     for r in results:
+        if "error" in r: continue
         print(f"| {r['impl']} | {r['recipe']} | {r['ms']} | {r['speedup_vs_bf16']}x | {r['tflops']} | {r['output_sqnr_db']} |")
 
 

@@ -1,20 +1,21 @@
 """Where a GRPO step's GPU time goes, per strategy: the kernels of eager decode steps and of one training micro-batch.
 
-    python benchmarks/profile_step.py --model qwen2-7b --rows 128 --strategies bf16,jet
-    python benchmarks/profile_step.py --model qwen2-0.5b --strategies bf16,jet --train-only --cuda-graphs
-    python benchmarks/profile_step.py --model qwen2-7b --strategies bf16,jet --train-only --shapes   # ops by input shapes
+    python -m benchmarks profile --model qwen2-7b --rows 128 --strategies bf16,jet
+    python -m benchmarks profile --model qwen2-0.5b --strategies bf16,jet --train-only --cuda-graphs
+    python -m benchmarks profile --model qwen2-7b --strategies bf16,jet --train-only --shapes   # ops by input shapes
 
 Eager (no CUDA graphs) so that every kernel is seen; kernel times are what a graph replays, minus launch gaps.
 Prints, per strategy: the graphed decode step time (from the engine's own timing), then the top kernels by GPU
-time for --decode-steps eager decode steps and for one forward + backward of --micro-batch rows.
+time for --decode-steps eager decode steps and for one forward + backward of --micro-batch rows. Prints tables, no rows
+(profiler tables: save them with `> FILE`).
 """
-import argparse, sys
+import argparse, time
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import profile, ProfilerActivity
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from rollout import build
+from benchmarks.common import build, need_cuda, parse_kernels
+from jetrl.options import KernelOptions, use_kernel_options
 from jetrl.policy import Policy, GraphedLogProbs, token_log_probs
 from jetrl.rollout import RolloutEngine, SamplingParams
 
@@ -68,7 +69,6 @@ def train_profile(policy, engine, prompts, strategy: str, args):
     """One training micro-batch (forward + backward), three ways: wall time per call (3 calls, synchronized), the sum
     of its kernels' GPU time, and the host ops that take the most CPU time. Wall far above kernel time means the GPU
     waits for Python (launches, small ops), and fusing kernels will not help until the host work shrinks."""
-    import time
     rollout = engine.generate(prompts[: args.micro_batch], SamplingParams(max_new_tokens=512, seed=0, ignore_eos=True))
     ids, mask = rollout.input_ids, rollout.attention_mask
     # --cuda-graphs: the micro-batch replayed from CUDA graphs (GraphedLogProbs, as train(cuda_graphs=True) runs it);
@@ -99,7 +99,7 @@ def train_profile(policy, engine, prompts, strategy: str, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2-7b")
     p.add_argument("--strategies", default="bf16,jet")
     p.add_argument("--rows", type=int, default=128)
@@ -114,7 +114,14 @@ def main(argv=None):
                    help="the training micro-batch replayed from CUDA graphs (GraphedLogProbs), as train(cuda_graphs=True)")
     p.add_argument("--shapes", action="store_true",
                    help="--train-only: also the ops grouped by their input shapes (the profiler records them: slower)")
+    p.add_argument("--kernels", type=parse_kernels, default=KernelOptions(), metavar="NAME=VALUE,...",
+                   help="kernel options for the run (jetrl.options.KernelOptions fields)")
     args = p.parse_args(argv)
+    need_cuda("profile")
+    with use_kernel_options(args.kernels): run(args)
+
+
+def run(args):
     for strategy in args.strategies.split(","):
         model, tokenizer = build(args.model, torch.bfloat16)
         policy = Policy(model, tokenizer, strategy, device="cuda")

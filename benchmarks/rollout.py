@@ -1,8 +1,8 @@
 """Rollout throughput: jetrl's engine vs `transformers.generate`, same model, same settings, one run.
 
-    python benchmarks/rollout.py --model jetrl-tiny --batch 32 --prompt-len 32 --new-tokens 64
-    python benchmarks/rollout.py --model smollm2-135m --batch 16 --prompt-len 64 --new-tokens 64
-    python benchmarks/rollout.py --device cuda --model qwen2-0.5b --batch 64 --prompt-len 128 --new-tokens 256 \
+    python -m benchmarks rollout --device cpu --model jetrl-tiny --batch 32 --prompt-len 32 --new-tokens 64
+    python -m benchmarks rollout --model smollm2-135m --batch 16 --prompt-len 64 --new-tokens 64
+    python -m benchmarks rollout --device cuda --model qwen2-0.5b --batch 64 --prompt-len 128 --new-tokens 256 \
         --strategies bf16,jet --engines graphs,eager
 
 Workloads (--workload):
@@ -20,44 +20,21 @@ Engines (--engines, comma-separated; each is measured against the same transform
 Strategies (--strategies, comma-separated) run one after the other on the same model: e.g. bf16,jet.
 Prints one JSON object per (strategy, engine).
 """
-import argparse, json, statistics, sys, time
+import argparse, statistics, time
 import torch
 
-from jetrl.policy import Policy, load_model_and_tokenizer
+from benchmarks.common import RANDOM_MODELS, add_output_args, build, emit, make_row, synced_clock
+from jetrl.options import use_kernel_options
+from jetrl.policy import Policy
 from jetrl.rollout import RolloutEngine, SamplingParams
-
-RANDOM_MODELS = {  # random weights, real shapes (no download): Qwen2-0.5B and a 7B Llama-like shape
-    "qwen2-0.5b": dict(family="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=26, num_attention_heads=28,
-                     num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
-
-
-def build(name: str, dtype):
-    if name in RANDOM_MODELS:
-        from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
-        from tokenizers import Tokenizer, models
-        cfg = dict(RANDOM_MODELS[name]); cfg.pop("family")
-        torch.manual_seed(0)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = Qwen2ForCausalLM(Qwen2Config(**cfg, eos_token_id=0, pad_token_id=0)).to(dtype)
-        vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
-                                            eos_token="t0", pad_token="t0")
-        return model.eval(), tokenizer
-    model, tokenizer = load_model_and_tokenizer(name, dtype)
-    return model, tokenizer
 
 
 def tokens_per_s(fn, reps: int, device) -> tuple[float, int]:
     "Median over `reps` of (tokens fn() generated) / seconds; and the tokens of the last call."
     rates = []
     for _ in range(reps):
-        if device.type == "cuda": torch.cuda.synchronize()
-        t0 = time.perf_counter(); tokens = fn()
-        if device.type == "cuda": torch.cuda.synchronize()
-        rates.append(tokens / (time.perf_counter() - t0))
+        t0 = synced_clock(device); tokens = fn()
+        rates.append(tokens / (synced_clock(device) - t0))
     return statistics.median(rates), tokens
 
 
@@ -66,7 +43,7 @@ ENGINES = {"graphs": dict(cuda_graphs=True), "compiled": dict(cuda_graphs=True, 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks rollout", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", default="jetrl-tiny", help="jetrl-tiny, smollm2-135m, a local folder, or " + ", ".join(RANDOM_MODELS))
     p.add_argument("--strategies", default="bf16", help="comma-separated, run in this order on one model")
@@ -80,11 +57,15 @@ def main(argv=None):
     p.add_argument("--workload", default="fixed", choices=["fixed", "rl"])
     p.add_argument("--samples", type=int, default=8, help="completions per prompt (rl workload)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--out", default=None)
+    add_output_args(p)
     args = p.parse_args(argv)
     unknown = set(args.engines.split(",")) - set(ENGINES)
     if unknown: p.error(f"unknown engine(s) {sorted(unknown)}: choose from {sorted(ENGINES)}")
     if args.threads: torch.set_num_threads(args.threads)
+    with use_kernel_options(args.kernels): run(args, argv)
+
+
+def run(args, argv):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tokenizer = build(args.model, dtype)
@@ -129,9 +110,7 @@ def main(argv=None):
             engine_tps, tokens = tokens_per_s(run_engine, args.reps, device)
             last = engine.generate(prompts, params).timing
             row = dict(model=args.model, strategy=strategy, engine=engine_name, cache=engine.cache_implementation,
-                       workload=args.workload, device=str(device),
-                       gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                       dtype=str(dtype).removeprefix("torch."), batch=args.batch,
+                       workload=args.workload, device=str(device), dtype=str(dtype).removeprefix("torch."), batch=args.batch,
                        samples=args.samples if args.workload == "rl" else 1, prompt_len=args.prompt_len,
                        new_tokens=args.new_tokens, engine_tokens=tokens, engine_tokens_per_s=round(engine_tps, 1),
                        prefill_ms=round(1e3 * last["prefill_s"], 2),
@@ -139,11 +118,8 @@ def main(argv=None):
                        warmup_s=round(warmup_s, 1),
                        hf_tokens_per_s=None if hf_tps is None else round(hf_tps, 1),
                        speedup_vs_hf=None if hf_tps is None else round(engine_tps / hf_tps, 2),
-                       threads=torch.get_num_threads(), torch=torch.__version__,
-                       command="python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv))
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f: f.write(json.dumps(row) + "\n")
+                       threads=torch.get_num_threads())
+            emit(make_row("rollout", row, argv, device), args.out)
             del engine
             if device.type == "cuda": torch.cuda.empty_cache()
 

@@ -247,8 +247,8 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
 def check_base_format(folder: Path, spec: SFTSpec, n: int = 10) -> None:
     """The saved base, loaded as GRPO and the held-out eval load it, must read and write SFT's exact token ids: each
     prompt through the rollout engine's own encoding (chat template included), each worked solution, and EOS as the
-    engine's stop token. A RuntimeError names the first difference (transformers 5 once gave this Qwen2 folder
-    Qwen2Tokenizer's pre-tokenizer: every GRPO prompt was then ids the model never saw, and accuracy was 0)."""
+    engine's stop token. A RuntimeError names the first difference (transformers 5 can give this Qwen2 folder
+    Qwen2Tokenizer's pre-tokenizer: every GRPO prompt is then ids the model never saw, and accuracy is 0)."""
     from transformers import PreTrainedTokenizerFast
     from jetrl.rollout import RolloutEngine, _prompt_token_ids
     sft_tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")           # what SFT trained with
@@ -300,10 +300,10 @@ def _config(**kw) -> TrainConfig:
     return TrainConfig(**{"grpo": GRPOConfig(num_generations=G, loss_type="dapo", max_completion_length=kw.get("max_new_tokens", 12)), **kw})
 
 # The GRPO settings every strategy shares, chosen so that bf16 itself learns: a comparison of strategies that all stay
-# flat (or all fall) says nothing about precision. Measured on a CPU with benchmarks/reproduce_lr_probe.py (bf16 GRPO
-# on a 0.46M base SFT'd by train_base_policy at peak lr 3e-3, 4-step chains; held-out 256 prompts x 4, base 0.635; rows
-# in benchmarks/results/reproduce_lr_probe_cpu.jsonl), 30 steps, 2 seeds, mean gain:
-#   16 prompts x 8:  lr 3e-5 +0.011, 1e-4 -0.014 (3e-4 -0.11 and 1e-3 -0.46 at 20 steps: the GPU attempt 2 signature)
+# flat (or all fall) says nothing about precision. Measured on a CPU by a learning-rate probe (bf16 GRPO on a 0.46M base
+# SFT'd by train_base_policy at peak lr 3e-3, 4-step chains; held-out 256 prompts x 4, base 0.635; rows and commands in
+# benchmarks/results/reproduce_lr_probe_cpu.jsonl), 30 steps, 2 seeds, mean gain:
+#   16 prompts x 8:  lr 3e-5 +0.011, 1e-4 -0.014 (3e-4 -0.11 and 1e-3 -0.46 at 20 steps: every strategy falls, bf16 too)
 #   64 prompts x 8:  lr 3e-5 +0.015, 1e-4 +0.007
 #   128 prompts x 8: lr 3e-5 +0.020, 1e-4 +0.032 (seeds 0.663, 0.670), 3e-4 +0.007; 1e-4 at 12 / 24 steps +0.009 / +0.017
 # The batch is what moves it: one Adam step moves every weight by ~lr whatever its gradient's size, and at 16 prompts
@@ -311,11 +311,11 @@ def _config(**kw) -> TrainConfig:
 # -0.013; a less trained base (300 SFT steps, 0.11) fell at every lr. The 22.8M base is more fragile than the 0.46M
 # one (at 16 prompts lr 1e-4 took it 0.59 -> 0.34 in 24 steps, as 3e-4..1e-3 do the small one), so its lr is the
 # CPU optimum scaled by that ~5x: 2e-5 (1/50 of its SFT's peak lr; 1/30 on the CPU). 30 steps: the gain at 24 was
-# within 1.3x the seed spread. On the H200 (session 6, benchmarks/results/reproduce_gpu.jsonl) bf16 went from 0.209 to
+# within 1.3x the seed spread. On the H200 (benchmarks/results/reproduce_gpu.jsonl) bf16 went from 0.209 to
 # 0.659 / 0.649 held out in 30 steps; every strategy learned (0.626-0.650 after).
 GPU_STEPS = 30
 GPU_PROMPTS = 128
-GPU_SFT_STEPS = 1500       # attempt 2's SFT (2000 steps) was at loss 0.006 by step 1500 and 0.0036 over its last 100
+GPU_SFT_STEPS = 1500       # a 2,000-step SFT of this base was at loss 0.006 by step 1500 and 0.0036 over its last 100
 GPU_LR = 2e-5
 # The long preset: a worked step is ~11 tokens of this tokenizer, so 200-step chains give worked solutions of ~2,180
 # tokens (`worked_tokens`); the prompt lists the 200 moves (~800 tokens). Its rows per step are half the gpu preset's
@@ -722,24 +722,26 @@ def unpack(source: Path, out: Path) -> int:
 
 
 # ---------------------------------------------------------------- the plan: sizes and a time estimate
-H200_STEPS = REPO / "benchmarks" / "results" / "grpo_step_h200.jsonl"   # `benchmarks/grpo_step.py` on one H200
+H200_STEPS = REPO / "benchmarks" / "results" / "grpo_step_h200.jsonl"   # `python -m benchmarks grpo_step` on one H200
 QWEN2_05B = {"params": 494e6, "layers": 24}                                # the shape of its 'qwen2-0.5b' rows
 
 def h200_step_anchor(path: Path = H200_STEPS) -> dict | None:
-    "The newest measured 0.5B GRPO step per strategy (fast mode) from `path`: rows, tokens, seconds; None without the file."
+    """The newest measured 0.5B GRPO step per strategy (fast mode, eager trainer, one process) from `path`: rows, tokens,
+    seconds; None without the file. Rows are appended, so the last matching row of a strategy is its newest."""
     if not path.exists(): return None
     newest = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if r.get("model") != "qwen2-0.5b" or r.get("mode") != "fast": continue
-        if r["strategy"] not in newest or r["run"] > newest[r["strategy"]]["run"]: newest[r["strategy"]] = r
+        if (r.get("model"), r.get("mode"), r.get("layers")) != ("qwen2-0.5b", "fast", QWEN2_05B["layers"]): continue
+        if r.get("trainer_cuda_graphs") or r.get("gpus", 1) != 1 or r.get("checkpointing"): continue
+        newest[r["strategy"]] = r
     if "bf16" not in newest: return None
     seconds = {s: r["step_s"] for s, r in newest.items()}
     if "fp8-rollout" in seconds: seconds["fp8-rollout-tis"] = seconds["fp8-rollout"]   # TIS adds no GEMM
     first = newest["bf16"]
     return QWEN2_05B | {"rows": first["prompts"] * first["samples"], "new_tokens": first["new_tokens"],
                         "prompt_len": first["prompt_len"], "seconds": seconds,
-                        "source": f"{path.relative_to(REPO)} ({', '.join(sorted({r['run'] for r in newest.values()}))})"}
+                        "source": f"{path.relative_to(REPO)} ({', '.join(sorted({r['date'] for r in newest.values()}))})"}
 
 def _param_count(s: SFTSpec) -> int:
     head_dim = s.hidden_size // s.heads
@@ -748,19 +750,19 @@ def _param_count(s: SFTSpec) -> int:
                  + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size)                      # MLP, two norms
     return s.layers * per_layer + 512 * s.hidden_size + s.hidden_size                             # tied embedding, final norm
 
-# One H200, as measured (`--preset gpu`, the base SFT'd in the first call). The reproduction of session 6 (three calls,
-# 30 steps of 128 prompts x 8, the SFT'd base writing ~501-token completions; reproduce_gpu/) gives the SFT time (its
-# sft.json), the seconds of a run and of an eval (its first call's log: the SFT, the base's eval, bf16 seed 0) and
-# s/step at 1024 rows; attempt 2 (24 steps of 16 prompts x 8, ~501 tokens) and attempt 1 (30 steps of 16 x 8, a
-# tokenizer bug made completions of 49..396 tokens) give s/step at 128 rows and the spread in length that fits the
-# per-token slope. (summary, rows per GRPO step) each:
+# One H200, as measured (`--preset gpu`, the base SFT'd in the first device call). The committed reproduction (three
+# calls, 30 steps of 128 prompts x 8, the SFT'd base writing ~501-token completions; reproduce_gpu/) gives the SFT time
+# (its sft.json), the seconds of a run and of an eval (the log of its first call: the SFT, the base's eval, bf16 seed 0)
+# and s/step at 1024 rows; two runs at 16 prompts x 8 give s/step at 128 rows and the spread in length that fits the
+# per-token slope: step_times_16x8.jsonl (24 steps, ~501 tokens) and step_times_16x8_ragged.jsonl (30 steps, completions
+# of 49..396 tokens from a tokenizer that split the answer format). (summary, rows per GRPO step) each:
 GPU_RESULTS = REPO / "benchmarks" / "results"
-GPU_MEASURED_SUMMARIES = ((GPU_RESULTS / "reproduce_gpu_attempt1_summary.jsonl", 16 * 8),
-                          (GPU_RESULTS / "reproduce_gpu_attempt2" / "summary.jsonl", 16 * 8),
+GPU_MEASURED_SUMMARIES = ((GPU_RESULTS / "reproduce_gpu" / "step_times_16x8_ragged.jsonl", 16 * 8),
+                          (GPU_RESULTS / "reproduce_gpu" / "step_times_16x8.jsonl", 16 * 8),
                           (GPU_RESULTS / "reproduce_gpu" / "summary.jsonl", 128 * 8))
-GPU_MEASURED_LOG = GPU_RESULTS / "reproduce_gpu" / "log_call1_bf16_seed0.txt"
+GPU_MEASURED_LOG = GPU_RESULTS / "reproduce_gpu" / "log_1.txt"
 GPU_MEASURED_SFT = GPU_RESULTS / "reproduce_gpu" / "sft.json"
-GPU_SLOPE_ROWS = 16 * 8        # the batch of the attempts whose lengths varied: the per-token slope is measured there
+GPU_SLOPE_ROWS = 16 * 8        # the batch of the runs whose lengths varied: the per-token slope is measured there
 DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
 TARGET_CALL_S = 420            # what the gpu preset is sized for: the lead's device budget per call
 STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement

@@ -53,7 +53,7 @@ if ! [ -x "$VENV/bin/python" ] || ! "$PY" -c "import vllm" 2>/dev/null; then
 fi
 [ "${1:-}" = venv ] && exit $FAILED
 
-[ -x "$VENV/bin/nbdev-test" ] || "$PY" -m pip install -q nbdev     # venvs made before nbdev was on the list
+[ -x "$VENV/bin/nbdev-test" ] || "$PY" -m pip install -q nbdev     # a venv made without it
 if [ "${1:-}" = notebook ]; then timed vllm_notebook "$VENV/bin/nbdev-test" nbs/05b_vllm.ipynb --flags vllm; exit $FAILED; fi
 # 1. the tests: the vLLM half of tests/test_vllm.py runs here (and the rest again, against vLLM's torch/transformers)
 timed vllm_tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_vllm.py
@@ -61,8 +61,8 @@ timed vllm_tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_vllm.py
 # 2. the notebook's vLLM cells
 timed vllm_notebook "$VENV/bin/nbdev-test" nbs/05b_vllm.ipynb --flags vllm
 # 3. mismatch against the trainer, embedded engine vs vLLM: full precision (no FP8), then bf16 with and without FP8
-timed mismatch_fp32 "$PY" benchmarks/vllm_mismatch.py --model jetrl-tiny --hp-dtype float32 --strategies bf16 --out "$RESULTS"
-timed mismatch_bf16 "$PY" benchmarks/vllm_mismatch.py --model jetrl-tiny --hp-dtype bfloat16 \
+timed mismatch_fp32 "$PY" -m benchmarks vllm_mismatch --model jetrl-tiny --hp-dtype float32 --strategies bf16 --out "$RESULTS"
+timed mismatch_bf16 "$PY" -m benchmarks vllm_mismatch --model jetrl-tiny --hp-dtype bfloat16 \
   --strategies bf16,fp8-rollout-rowwise,jet-rowwise --out "$RESULTS"
 # 4. the whole loop on vLLM, with the mismatch metrics, in fp32 and bf16
 OUT=${JETRL_VLLM_RUNS:-/tmp/jetrl-vllm-runs}; rm -rf "$OUT"

@@ -156,8 +156,8 @@ def test_resume_a_single_process_checkpoint_under_torchrun(one_process_run):
 def test_one_rank_fsdp_quantizes_each_weight_once_per_update(monkeypatch):
     """FSDP2 over one rank (`torchrun --nproc-per-node 1`) vs one process, jet: a step's old log-probs (no grad, in
     micro-batches), training micro-batches, update and weight sync quantize each FP8 weight once, in the sync, as one
-    process does. (It was micro-batches + 2 per weight: the old log-probs re-quantized every weight in every micro-batch,
-    the first training micro-batch once more; on an H200 jet's step was 27% slower.) After the update, the trainer's
+    process does (not micro-batches + 2 per weight: old log-probs that re-quantize every weight in every micro-batch,
+    and the first training micro-batch once more, make jet's step far slower on an H200). After the update, the trainer's
     forward uses the rollout copy's bytes, which are the current weight's."""
     import jetrl.distributed as jd, jetrl.linear as jl
     from jetrl.policy import Policy, load_model_and_tokenizer, token_log_probs

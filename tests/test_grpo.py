@@ -23,7 +23,7 @@ def test_group_advantages_by_hand():
 
 def test_an_all_equal_group_of_summed_rewards_has_zero_advantage():
     # 1.0 + 0.5 + 0.1 (answer, chain steps, format) eight times: the float mean leaves a 1.2e-7 residue that 'group'
-    # scaling once turned into an advantage of -0.0012 on every row, and the group was not counted as zero-std
+    # scaling would turn into an advantage of -0.0012 on every row, with the group not counted as zero-std
     rewards = torch.tensor([1.0 + 0.5 + 0.1] * 8 + [1.6, 1.6, 1.1, 1.6, 1.6, 1.6, 1.6, 1.6])
     group = torch.tensor([0] * 8 + [1] * 8)
     for scaling in ("group", "batch", "none"):

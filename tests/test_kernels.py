@@ -438,7 +438,7 @@ def test_sampler_and_trainer_share_the_head_formula(fused, T, monkeypatch):
 
 def test_fused_head_is_on_by_default_on_a_gpu_only():
     """`fused_head_log_probs = None` (the default): the head's target log-probs run selective_log_softmax's kernels on a
-    GPU (8x torch's ops on an H200, benchmarks/head_logprobs.py) and torch's formula on the CPU, where the kernels
+    GPU (8x torch's ops on an H200, benchmarks/results/head_logprobs_h200.jsonl) and torch's formula on the CPU, where the kernels
     would run only under the slow interpreter."""
     import jetrl.policy
     assert jetrl.policy.fused_head_log_probs is None

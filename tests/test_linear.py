@@ -355,7 +355,7 @@ def test_compiled_training_step_equals_eager(kernel_path, recipe, bias, weight_i
     and after a weight update. `weight_in_graph`: as on a GPU, the weight is quantized inside the graph, and the whole
     step is one graph (fullgraph; the sync cache's version check broke it at every layer); else, as on the CPU, through
     the cache. `kernel_path`: the real FP8 GEMM's route (faked here: its layout rules, an fp32 product), where Dgrad reads
-    the transposed weight. Every recipe of `benchmarks/linear.py`: rowwise failed to trace there while the input-sharing
+    the transposed weight. Every recipe of `python -m benchmarks linear`: rowwise failed to trace there while the input-sharing
     cache ran under compile."""
     if weight_in_graph: monkeypatch.setattr("jetrl.linear.WEIGHT_QUANTIZED_IN_GRAPH_ON", ("cuda", "cpu"))
     if kernel_path:

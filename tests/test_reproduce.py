@@ -122,7 +122,7 @@ def test_gpu_preset_runs_whole_within_device_calls_even_at_full_length():
     assert abs(typical["total_s"] - (R.STARTUP_RESERVE_S + typical["sft_s"] + typical["eval_s_each"] + runs_s)) < 0.5
     assert typical["total_s"] <= typical["calls"] * R.TARGET_CALL_S <= typical["total_s"] + len(preset.seeds) * len(preset.strategies) * R.TARGET_CALL_S
     assert small["calls"] <= typical["calls"] <= worst["calls"]
-    logs = sorted((R.GPU_RESULTS / "reproduce_gpu").glob("log_call*.txt"))      # its three calls: "done; N s; report"
+    logs = sorted((R.GPU_RESULTS / "reproduce_gpu").glob("log_*.txt"))      # its three device runs: "done; N s; report"
     took = sum(int(re.findall(r"; (\d+) s; report", log.read_text())[-1]) for log in logs)
     assert len(logs) == 3 and took == 267 + 393 + 519
     assert abs(typical["total_s"] - took) < 0.10 * took
