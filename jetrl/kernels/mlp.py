@@ -8,7 +8,7 @@ Docs: https://jetrl.github.io/jetrl/mlp_kernels.html.md"""
 __all__ = ['SILU_BLOCK', 'silu_mul_kernel', 'store_groups_fp8', 'silu_mul_backward_kernel', 'silu_mul_backward_quantized',
            'silu_mul_backward', 'hand_over_grad_fp8', 'silu_mul', 'silu_mul_quantized']
 
-# %% ../../nbs/00h_mlp_kernels.ipynb #4eadde08
+# %% ../../nbs/00h_mlp_kernels.ipynb #53fe63eb
 import math
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from .support import (triton, tl, HAS_TRITON, INTERPRETING, INT32_LIMIT, invaria
 from .quantize import group_tile_rows
 if HAS_TRITON: import triton.language.extra.libdevice    # CUDA's own math functions (expf), as tl.extra.libdevice
 
-# %% ../../nbs/00h_mlp_kernels.ipynb #c2d2d199
+# %% ../../nbs/00h_mlp_kernels.ipynb #beb09737
 @triton.jit
 def silu_mul_kernel(gate_ptr, up_ptr, y_ptr, q_ptr, scale_ptr, M, N, stride_gate, stride_up, stride_y, stride_q,
                     stride_scale, stride_scale_col, FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -75,7 +75,7 @@ def _(gate, up, fmt):
     if fmt is None: return y, y.new_empty(0, dtype=torch.float8_e4m3fn), y.new_empty(0, dtype=torch.float32)
     return y, *_fp8_buffers(rows, N, y, fmt)
 
-# %% ../../nbs/00h_mlp_kernels.ipynb #c0a054ea
+# %% ../../nbs/00h_mlp_kernels.ipynb #00272d89
 SILU_BLOCK = 1024    # elements per program of the SiLU-mul backward: 8 per thread of 4 warps (a 16-byte load of bf16)
 
 @triton.jit
@@ -119,7 +119,7 @@ def silu_mul_backward_kernel(gate_ptr, up_ptr, d_out_ptr, d_gate_ptr, d_up_ptr, 
         if QUANTIZE: store_groups_fp8(d_gate.to(tl.float32), start, n, q_gate_ptr, s_gate_ptr, groups_per_row,
                                       stride_scale, stride_scale_col, FP8_MAX, TINY, BLOCK, G)
 
-# %% ../../nbs/00h_mlp_kernels.ipynb #998030a4
+# %% ../../nbs/00h_mlp_kernels.ipynb #5c906034
 @eager_custom_op("jetrl::silu_mul_backward", mutates_args=())
 def _silu_mul_backward_op(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Tensor, need_d_gate: bool, need_d_up: bool,
                           grad_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -180,7 +180,7 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, d_out: torch.Tensor,
     d_gate, d_up, _ = silu_mul_backward_quantized(gate, up, d_out, None, need_d_gate, need_d_up)
     return d_gate, d_up
 
-# %% ../../nbs/00h_mlp_kernels.ipynb #0d24d5d5
+# %% ../../nbs/00h_mlp_kernels.ipynb #22ec0129
 def _capturing(t: torch.Tensor) -> bool: return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 def _no_sharing(t: torch.Tensor) -> bool:
@@ -227,7 +227,7 @@ class _SiLUMulFunction(torch.autograd.Function):
         d_up = d_out * F.silu(gate) if need_d_up else None
         return d_gate, d_up, None, None
 
-# %% ../../nbs/00h_mlp_kernels.ipynb #845a9758
+# %% ../../nbs/00h_mlp_kernels.ipynb #9b890d2f
 def _check_silu_mul_inputs(gate: torch.Tensor, up: torch.Tensor):
     if gate.shape != up.shape or gate.device != up.device or not gate.is_floating_point() or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul takes gate and up of one shape, dtype and device: got {tuple(gate.shape)} {gate.dtype} "

@@ -9,7 +9,7 @@ __all__ = ['NORM_FORWARD_WARPS', 'NORM_BACKWARD_PROGRAMS', 'NORM_VALUES_PER_WARP
            'rms_norm_kernel', 'rms_norm_invariant', 'rms_norm_backward_kernel', 'rms_norm_backward',
            'rms_norm_quantized', 'InvariantRMSNorm']
 
-# %% ../../nbs/00g_norm_kernels.ipynb #03a4220f
+# %% ../../nbs/00g_norm_kernels.ipynb #5ecfa746
 import math
 import torch
 import torch.nn as nn
@@ -17,7 +17,7 @@ from ..fp8 import FP8Tensor, fp8_max, KERNEL_BLOCK, eager_custom_op
 from .support import (triton, tl, invariant_kernels_available, next_power_of_2, _fp8_buffers,
                                    quantize_groups, backward_kernels_active)
 
-# %% ../../nbs/00g_norm_kernels.ipynb #c1760779
+# %% ../../nbs/00g_norm_kernels.ipynb #cb447ab7
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     "The same RMSNorm in plain torch ops (transformers' formula): the CPU path, and the reference of the backward."
     x32 = x.float()
@@ -51,7 +51,7 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, H, stride_x, stride_y
         tl.store(q_ptr + row * stride_q + tile, q.to(q_ptr.dtype.element_ty), mask=tile < H)
         tl.store(scale_ptr + row * stride_scale + groups * stride_scale_col, scale, mask=groups * G < H)
 
-# %% ../../nbs/00g_norm_kernels.ipynb #59aeef2b
+# %% ../../nbs/00g_norm_kernels.ipynb #bfba7838
 NORM_FORWARD_WARPS = 4
 
 def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str | None):
@@ -87,7 +87,7 @@ def _(x, weight, eps, fmt):
     rows, H = math.prod(x.shape[:-1]), x.shape[-1]
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)), *_fp8_buffers(rows, H, x, fmt)
 
-# %% ../../nbs/00g_norm_kernels.ipynb #f6f49606
+# %% ../../nbs/00g_norm_kernels.ipynb #8343f954
 NORM_BACKWARD_PROGRAMS = 512    # programs of the RMSNorm backward at most (each a run of rows): ~4 per SM of an H200,
                                 # few enough that the (programs, H) fp32 partial sums of dweight cost little
 NORM_VALUES_PER_WARP = 512      # a row's values per warp: 16 fp32 per thread for each of x, dy, weight and the partial sum
@@ -131,7 +131,7 @@ def rms_norm_backward_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr, M, H, ro
     if HAS_DW:
         tl.store(partial_ptr + pid * H + cols, dw, mask=ok)
 
-# %% ../../nbs/00g_norm_kernels.ipynb #446d4291
+# %% ../../nbs/00g_norm_kernels.ipynb #6c297b2d
 @eager_custom_op("jetrl::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float, need_dx: bool,
                           need_dweight: bool, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +170,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, e
     dx, dweight = _rms_norm_backward_op(x, weight, dy, eps, need_dx, need_dweight, programs)
     return (dx if need_dx else None), (dweight if need_dweight else None)
 
-# %% ../../nbs/00g_norm_kernels.ipynb #b6063216
+# %% ../../nbs/00g_norm_kernels.ipynb #2cdf490a
 class _RMSNormFunction(torch.autograd.Function):
     """Forward by the row-invariant kernel; backward by `rms_norm_backward` where `backward_kernels_active` (a GPU),
     else through the plain-torch formula, recomputed."""

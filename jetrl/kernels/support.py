@@ -11,14 +11,14 @@ __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'HAS_TRITON', 'INTERPRETING', 'INT32_
            'clamp_keeping_nan', 'quantize_groups', 'backward_kernels', 'backward_kernels_active', 'same_bits',
            'graph_time_ms']
 
-# %% ../../nbs/00b_kernels_support.ipynb #5b725472
+# %% ../../nbs/00b_kernels_support.ipynb #0a652048
 from contextlib import contextmanager
 from types import SimpleNamespace
 import functools, importlib.util, math, os
 import torch
 from ..fp8 import KERNEL_BLOCK, fp8_dtype
 
-# %% ../../nbs/00b_kernels_support.ipynb #9e8986ca
+# %% ../../nbs/00b_kernels_support.ipynb #049776d3
 TILE_ROWS = 64          # rows of one tile: Hopper's wgmma works on 64 rows, fewer rows are padded (masked) to it
 DECODE_MAX_ROWS = 256   # GEMMs of at most this many rows take decode tiles, one or two row tiles (bandwidth bound)
 
@@ -38,7 +38,7 @@ def invariant_kernels_available(device: "torch.device | str") -> bool:
     if not HAS_TRITON: return False
     return device.type == "cuda" or (device.type == "cpu" and INTERPRETING)
 
-# %% ../../nbs/00b_kernels_support.ipynb #38723638
+# %% ../../nbs/00b_kernels_support.ipynb #a5ad05cb
 INT32_LIMIT = 2**31   # element offsets at or past this need 64-bit index arithmetic in a kernel
 
 def needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
@@ -56,7 +56,7 @@ def _fp8_buffers(rows: int, cols: int, like: torch.Tensor, fmt: str) -> tuple[to
     "Empty FP8 codes (rows, cols) and their 1x128 scales (`empty_scales_1x128`): a 1x128 quantizer's outputs."
     return like.new_empty((rows, cols), dtype=fp8_dtype(fmt)), empty_scales_1x128(rows, cols, like)
 
-# %% ../../nbs/00b_kernels_support.ipynb #f5b297c5
+# %% ../../nbs/00b_kernels_support.ipynb #38c986fd
 TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride must be multiples of this
 
 @functools.cache
@@ -79,7 +79,7 @@ def tma_loads_possible(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0
                for t in (a_data, w_data))
 
-# %% ../../nbs/00b_kernels_support.ipynb #7df9ae96
+# %% ../../nbs/00b_kernels_support.ipynb #7d9fb3c3
 NAN_KEEPING_REDUCE = tl.constexpr(not INTERPRETING) if HAS_TRITON else not INTERPRETING   # amax by one NaN-keeping reduce
 
 @triton.jit
@@ -110,7 +110,7 @@ def quantize_groups(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
     scale = scale_of_amax(amax_keeping_nan(y, 1), FP8_MAX, TINY)
     return clamp_keeping_nan(tl.math.div_rn(y, scale[:, None]), FP8_MAX), scale
 
-# %% ../../nbs/00b_kernels_support.ipynb #5d1b4373
+# %% ../../nbs/00b_kernels_support.ipynb #887dd804
 _BACKWARD_KERNELS: bool | None = None     # None: by device (a CUDA tensor with Triton); True / False: forced
 
 @contextmanager
@@ -126,7 +126,7 @@ def backward_kernels_active(device: "torch.device | str") -> bool:
     if not invariant_kernels_available(device): return False
     return torch.device(device).type == "cuda" if _BACKWARD_KERNELS is None else _BACKWARD_KERNELS
 
-# %% ../../nbs/00b_kernels_support.ipynb #41b63bb7
+# %% ../../nbs/00b_kernels_support.ipynb #29d9bd93
 GRAPH_TIMED_CALLS = 20    # calls captured in one CUDA graph by `graph_time_ms`
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
