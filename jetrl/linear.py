@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
                        KERNEL_BLOCK, has_fp8_kernel, kernel_layout)
 from .options import kernel_options
-from .kernels.support import invariant_kernels_available, DECODE_MAX_ROWS
+from .kernels.support import invariant_kernels_available, DECODE_MAX_ROWS, refuse_switch_globals, use_option
 from .kernels.quantize import quantize_1x128, quantize_128x128, QUANTIZE_128X128_DTYPES, _fits_128x128
 from .kernels.gemm import fp8_gemm_invariant
 from .kernels.matmul import linear_invariant
@@ -171,6 +171,7 @@ def _fprop_sharing_input(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor |
 # many rows to the linears. The SiLU-mul passes none: its tiles of rows and columns write the copy faster than the plain
 # kernel then `quantize_1x128`.
 PRODUCER_MAX_DECODE_ROWS = DECODE_MAX_ROWS
+refuse_switch_globals(__name__, {f: use_option(f) for f in ("quantize_in_producers", "quantize_dy_in_producers")})
 
 def _fp8_recipes(linears: "list[nn.Module | None]", gemm: str) -> list[FP8Recipe] | None:
     "The recipes of `linears` if every one is there and an FP8 linear whose `gemm` runs in FP8, else None."

@@ -7,7 +7,7 @@ Docs: https://jetrl.github.io/jetrl/kernels.html.md"""
 # %% auto #0
 __all__ = ['use_invariant_kernels']
 
-# %% ../../nbs/00l_kernels.ipynb #b023d971
+# %% ../../nbs/00l_kernels.ipynb #4d859d68
 import torch.nn as nn
 from .support import *
 from .quantize import *
@@ -19,9 +19,15 @@ from .mlp import *
 from .attention import *
 from .head import *
 from .head import _reference_selective_log_softmax     # the trainer's log-probs where no kernel runs
+from .support import refuse_switch_globals, use_option
 from .grad import *
 
-# %% ../../nbs/00l_kernels.ipynb #6b28e545
+refuse_switch_globals(__name__, {
+    **{f: use_option(f) for f in ("gluon_decode", "cublas_when_same_bits", "fused_entropy", "rotary_kernel")},
+    "cublas_at_decode": "removed: decode GEMMs keep jetrl's kernels (cuBLAS there changed nothing measured in the step)",
+    "CUBLAS_DECODE_MIN_ROWS": "removed with cublas_at_decode: only GEMMs of CUBLAS_MIN_ROWS rows or more may run on cuBLAS"})
+
+# %% ../../nbs/00l_kernels.ipynb #77ddf341
 def _is_rms_norm(module: nn.Module) -> bool:
     "transformers' RMSNorm classes (Llama, Qwen2, Qwen3, Mistral): a weight, an epsilon, the same formula."
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and \

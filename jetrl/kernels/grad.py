@@ -10,15 +10,16 @@ __all__ = ['REQUANTIZE_FORMS', 'REQUANTIZE_LAUNCH', 'REQUANTIZE_UNALIGNED', 'REQ
            'dequantize_rows', 'requantize_tile_kernel', 'requantize_quads_kernel', 'requantize_for_wgrad',
            'fused_grad_quantizers', 'fused_grad_quantizers_active']
 
-# %% ../../nbs/00k_grad_kernels.ipynb #637f41ad
+# %% ../../nbs/00k_grad_kernels.ipynb #9e6ef38e
 from contextlib import contextmanager
 import functools, math
 import torch
 from ..fp8 import FP8Tensor, fp8_max, fp8_dtype, KERNEL_BLOCK, eager_custom_op
 from .support import (triton, tl, HAS_TRITON, INTERPRETING, invariant_kernels_available, _fp8_buffers,
-                                   scale_of_amax, max_keeping_nan, amax_keeping_nan, clamp_keeping_nan)
+                                   scale_of_amax, max_keeping_nan, amax_keeping_nan, clamp_keeping_nan,
+                                   refuse_switch_globals)
 
-# %% ../../nbs/00k_grad_kernels.ipynb #812a0a50
+# %% ../../nbs/00k_grad_kernels.ipynb #ddadbe58
 def _grid(dtype: torch.dtype) -> dict:
     "A float format's grid as the kernels take it: fraction bits, smallest normal exponent, largest finite value."
     info = torch.finfo(dtype)
@@ -64,7 +65,7 @@ def _round_to_format(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if n: round_to_grid_kernel[(math.ceil(n / 1024),)](x32, out, n, **_grid(dtype), BLOCK=1024)
     return out
 
-# %% ../../nbs/00k_grad_kernels.ipynb #a3830dc0
+# %% ../../nbs/00k_grad_kernels.ipynb #04d08bcf
 @triton.jit
 def to_fp8(x, scale, dtype: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
            EXACT_ROUNDING: tl.constexpr):
@@ -99,7 +100,7 @@ def column_amax(x0, x1, x2, x3):
     m = max_keeping_nan(max_keeping_nan(tl.abs(x0), tl.abs(x1)), max_keeping_nan(tl.abs(x2), tl.abs(x3)))
     return amax_keeping_nan(m, 0)[None, :]
 
-# %% ../../nbs/00k_grad_kernels.ipynb #824fc877
+# %% ../../nbs/00k_grad_kernels.ipynb #7970f233
 @triton.jit
 def dequantize_rows(q_ptr, s_ptr, rows, cols, M, K, group, stride_q, stride_q_col, stride_s, stride_s_col,
                     HP_DTYPE: tl.constexpr, HP_MANTISSA: tl.constexpr, HP_MIN_EXP: tl.constexpr, HP_MAX: tl.constexpr,
@@ -158,7 +159,7 @@ def requantize_quads_kernel(q_ptr, s_ptr, qt_words_ptr, scale_t_ptr, M, K, strid
     store_transposed_in_words(qt_words_ptr, x0, x1, x2, x3, scale_t, quads, cols, M // 4, K, stride_qt_words,
                               QT_DTYPE, FP8_MAX, MANTISSA, MIN_EXP, EXACT_ROUNDING)
 
-# %% ../../nbs/00k_grad_kernels.ipynb #5f1bf8be
+# %% ../../nbs/00k_grad_kernels.ipynb #3eea4eb9
 REQUANTIZE_FORMS = dict(tile=requantize_tile_kernel, quads=requantize_quads_kernel)
 REQUANTIZE_LAUNCH = dict(form="quads", num_warps=4, COLS=32)    # the fastest measured (benchmarks/grad_quant.py --sweep)
 REQUANTIZE_UNALIGNED = dict(form="tile", num_warps=8)           # tokens not a multiple of 4
@@ -189,7 +190,7 @@ def _fp8_constants(fmt: str) -> dict:
     return dict(FP8_MAX=fp8_max(fmt), TINY=torch.finfo(torch.float32).tiny, MANTISSA=grid["MANTISSA"],
                 MIN_EXP=grid["MIN_EXP"], EXACT_ROUNDING=INTERPRETING)
 
-# %% ../../nbs/00k_grad_kernels.ipynb #fcef768f
+# %% ../../nbs/00k_grad_kernels.ipynb #c983338f
 def _check_kernels_run(t: torch.Tensor, name: str):
     if not invariant_kernels_available(t.device):
         raise RuntimeError(f"{name} runs a Triton kernel: it needs a CUDA tensor and Triton, or Triton's CPU interpreter "
@@ -241,7 +242,7 @@ def requantize_for_wgrad(x_fp8: FP8Tensor, hp_dtype: torch.dtype = torch.bfloat1
     data_t, scale_t = _requantize_op(x_fp8.data, x_fp8.scale, hp_dtype, fmt)
     return FP8Tensor(data_t, scale_t, (1, G), fmt).t()
 
-# %% ../../nbs/00k_grad_kernels.ipynb #452a8cda
+# %% ../../nbs/00k_grad_kernels.ipynb #0650d6a4
 _FUSED_GRAD_QUANTIZERS: bool | None = None     # None: by device (a CUDA tensor with Triton); True / False: forced
 
 @contextmanager
@@ -259,3 +260,7 @@ def fused_grad_quantizers_active(device: "torch.device | str") -> bool:
     "Whether the FP8 backward quantizes with this module's kernels on `device` (recipe permitting)."
     if _FUSED_GRAD_QUANTIZERS is not None: return _FUSED_GRAD_QUANTIZERS
     return torch.device(device).type == "cuda" and invariant_kernels_available(device)
+
+_TWO_PASSES = "removed: dy's two layouts are two quantize_1x128 passes, which took less GPU time than one pass"
+refuse_switch_globals(__name__, dict.fromkeys(["dy_one_pass", "quantize_dual_1x128", "DUAL_LAUNCH", "DUAL_UNALIGNED",
+                                               "LAUNCH_CANDIDATES"], _TWO_PASSES))

@@ -8,17 +8,17 @@ Docs: https://jetrl.github.io/jetrl/kernels_support.html.md"""
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT', 'TMA_ALIGN', 'NAN_KEEPING_REDUCE',
            'GRAPH_TIMED_CALLS', 'invariant_kernels_available', 'needs_64bit_offsets', 'next_power_of_2',
            'empty_scales_1x128', 'tma_loads_possible', 'scale_of_amax', 'max_keeping_nan', 'amax_keeping_nan',
-           'clamp_keeping_nan', 'quantize_groups', 'backward_kernels', 'backward_kernels_active', 'same_bits',
-           'graph_time_ms']
+           'clamp_keeping_nan', 'quantize_groups', 'backward_kernels', 'backward_kernels_active',
+           'refuse_switch_globals', 'use_option', 'same_bits', 'graph_time_ms']
 
-# %% ../../nbs/00b_kernels_support.ipynb #0a652048
+# %% ../../nbs/00b_kernels_support.ipynb #9bd9ab84
 from contextlib import contextmanager
 from types import SimpleNamespace
-import functools, importlib.util, math, os
+import functools, importlib.util, math, os, sys
 import torch
 from ..fp8 import KERNEL_BLOCK, fp8_dtype
 
-# %% ../../nbs/00b_kernels_support.ipynb #049776d3
+# %% ../../nbs/00b_kernels_support.ipynb #12cb5e41
 TILE_ROWS = 64          # rows of one tile: Hopper's wgmma works on 64 rows, fewer rows are padded (masked) to it
 DECODE_MAX_ROWS = 256   # GEMMs of at most this many rows take decode tiles, one or two row tiles (bandwidth bound)
 
@@ -38,7 +38,7 @@ def invariant_kernels_available(device: "torch.device | str") -> bool:
     if not HAS_TRITON: return False
     return device.type == "cuda" or (device.type == "cpu" and INTERPRETING)
 
-# %% ../../nbs/00b_kernels_support.ipynb #a5ad05cb
+# %% ../../nbs/00b_kernels_support.ipynb #48e6e60e
 INT32_LIMIT = 2**31   # element offsets at or past this need 64-bit index arithmetic in a kernel
 
 def needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
@@ -56,7 +56,7 @@ def _fp8_buffers(rows: int, cols: int, like: torch.Tensor, fmt: str) -> tuple[to
     "Empty FP8 codes (rows, cols) and their 1x128 scales (`empty_scales_1x128`): a 1x128 quantizer's outputs."
     return like.new_empty((rows, cols), dtype=fp8_dtype(fmt)), empty_scales_1x128(rows, cols, like)
 
-# %% ../../nbs/00b_kernels_support.ipynb #38c986fd
+# %% ../../nbs/00b_kernels_support.ipynb #f049bd5b
 TMA_ALIGN = 16   # bytes: a tensor descriptor's base address and row stride must be multiples of this
 
 @functools.cache
@@ -79,7 +79,7 @@ def tma_loads_possible(a_data: torch.Tensor, w_data: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0
                for t in (a_data, w_data))
 
-# %% ../../nbs/00b_kernels_support.ipynb #7d9fb3c3
+# %% ../../nbs/00b_kernels_support.ipynb #7b77bb4c
 NAN_KEEPING_REDUCE = tl.constexpr(not INTERPRETING) if HAS_TRITON else not INTERPRETING   # amax by one NaN-keeping reduce
 
 @triton.jit
@@ -110,7 +110,7 @@ def quantize_groups(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
     scale = scale_of_amax(amax_keeping_nan(y, 1), FP8_MAX, TINY)
     return clamp_keeping_nan(tl.math.div_rn(y, scale[:, None]), FP8_MAX), scale
 
-# %% ../../nbs/00b_kernels_support.ipynb #887dd804
+# %% ../../nbs/00b_kernels_support.ipynb #b63fcbe4
 _BACKWARD_KERNELS: bool | None = None     # None: by device (a CUDA tensor with Triton); True / False: forced
 
 @contextmanager
@@ -126,7 +126,26 @@ def backward_kernels_active(device: "torch.device | str") -> bool:
     if not invariant_kernels_available(device): return False
     return torch.device(device).type == "cuda" if _BACKWARD_KERNELS is None else _BACKWARD_KERNELS
 
-# %% ../../nbs/00b_kernels_support.ipynb #29d9bd93
+# %% ../../nbs/00b_kernels_support.ipynb #871a9401
+def refuse_switch_globals(module_name: str, where: dict[str, str]):
+    """Reading or assigning `<module>.<name>` for a name in `where` raises an AttributeError with `where[name]`: what to
+    use instead. The module's other attributes behave as before."""
+    module = sys.modules[module_name]
+    def refusal(name): return AttributeError(f"{module_name}.{name} is not a module setting: {where[name]}")
+    class GuardedModule(type(module)):
+        def __getattr__(self, name):
+            if name in where: raise refusal(name)
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        def __setattr__(self, name, value):
+            if name in where: raise refusal(name)
+            super().__setattr__(name, value)
+    module.__class__ = GuardedModule
+
+def use_option(field: str) -> str:
+    "What `refuse_switch_globals` says of a `KernelOptions` field."
+    return f"pass `with use_kernel_options(KernelOptions({field}=...))` (jetrl.options)"
+
+# %% ../../nbs/00b_kernels_support.ipynb #6b7c112f
 GRAPH_TIMED_CALLS = 20    # calls captured in one CUDA graph by `graph_time_ms`
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
