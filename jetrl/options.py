@@ -18,12 +18,10 @@ class KernelOptions:
     "Which kernels compute jetrl's GPU ops. Every combination gives the same guarantees; they differ in speed."
     gluon_decode: bool = True              # decode GEMMs (few rows) by the Gluon kernel where it runs, else by Triton's
     cublas_when_same_bits: bool = True     # large FP8 GEMMs on cuBLAS at shapes where it gives the kernel's bits
-    cublas_at_decode: bool = False         # decode GEMMs on cuBLAS too, where it gives the bits in less GPU time
     fused_entropy: bool = True             # the sampling entropy by one Triton kernel (else torch's formula)
     rotary_kernel: bool = True             # the rotary embedding and its gradient by one Triton kernel (else torch's ops)
     quantize_in_producers: bool = True     # RMSNorm and SiLU-mul also write the next linear's FP8 input
     quantize_dy_in_producers: bool = True  # the backward's producers also write dy's FP8 copies
-    dy_one_pass: bool = False              # dy's two FP8 layouts by one launch instead of two quantize_1x128 passes
     fused_head_log_probs: bool | None = None   # the head's log-probs by selective_log_softmax's kernels (None: on CUDA)
 
     def __post_init__(self):

@@ -1,10 +1,10 @@
-"""The overlapped decode GEMM (`jetrl.gluon_kernels`) where no GPU is: its switch and routing, its input checks, and
+"""The overlapped decode GEMM (`jetrl.kernels.decode_gemm`) where no GPU is: its switch and routing, its input checks, and
 its compiled form. Triton's compiler runs on the CPU, so the property the kernel exists for, block k + 1's product
 still running while block k is added (`WARPGROUP.DEPBAR.LE gsb0, 0x1` inside a chunk, where jetrl's Triton kernel
 waits for every block), is checked on the machine code (SASS) it compiles to for an H100/H200 (sm_90). That test needs a Triton with Gluon
 (skipped in CI, which has no Triton):
 
-    PYTHONPATH=$PWD /work/venvs/triton/bin/python -m pytest -q tests/test_gluon_kernels.py
+    python -m pytest -q tests/test_gluon_kernels.py        (Triton installed)
 
 Its bits against the Triton kernel's, its speed and the engine == trainer gap with it are GPU tests
 (`tests/test_gpu.py`, `test_gluon_decode_*`)."""
@@ -12,9 +12,10 @@ import re
 import pytest
 import torch
 
-import jetrl.kernels
-from jetrl.gluon_kernels import (OverlappedTile, gluon_decode_possible, gluon_importable, hopper_sass,
-                                 launch_decode_overlapped)
+import jetrl.kernels.gemm
+from jetrl.kernels.decode_gemm import (GLUON_DECODE_MIN_K_PER_N, OverlappedTile, gluon_decode_possible, gluon_importable,
+                                       hopper_sass, launch_decode_overlapped)
+from jetrl.options import KernelOptions, use_kernel_options
 
 needs_gluon = pytest.mark.skipif(not gluon_importable(), reason="needs a Triton with Gluon (Hopper's TMA and wgmma)")
 WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)")        # wait until at most that many wgmma groups run
@@ -27,7 +28,7 @@ def _operands(M=4, K=128, N=8):
 
 
 def test_on_for_long_k_decode_and_never_on_the_cpu():
-    assert jetrl.kernels.gluon_decode is True and jetrl.kernels.GLUON_DECODE_MIN_K_PER_N == 2
+    assert KernelOptions().gluon_decode is True and GLUON_DECODE_MIN_K_PER_N == 2
     a, a_scale, w, w_scale, out = _operands()
     assert not gluon_decode_possible(a, w, out)
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
@@ -38,24 +39,24 @@ def test_on_for_long_k_decode_and_never_on_the_cpu():
     (128, 18944, 3584, True, True), (256, 4864, 896, True, True),      # the 7B and 0.5B down projections at decode
     (128, 2 * 3584, 3584, True, True), (128, 2 * 3584 - 128, 3584, True, False),   # K = 2N is the edge
     (128, 3584, 37888, True, False), (128, 3584, 4608, True, False),  # gate+up, q/k/v: the Triton kernel
-    (jetrl.kernels.DECODE_MAX_ROWS + 1, 18944, 3584, True, False),     # past decode: not here
+    (jetrl.kernels.gemm.DECODE_MAX_ROWS + 1, 18944, 3584, True, False),     # past decode: not here
     (128, 18944, 3584, False, False)])                                 # the switch off
 def test_routing_sends_long_k_decode_gemms_only(monkeypatch, M, K, N, gluon_on, routed):
-    """`jetrl.kernels`' FP8 GEMM op takes the overlapped kernel for decode GEMMs (<= DECODE_MAX_ROWS rows) with
+    """`jetrl.kernels.gemm`'s FP8 GEMM op takes the overlapped kernel for decode GEMMs (<= DECODE_MAX_ROWS rows) with
     K >= GLUON_DECODE_MIN_K_PER_N x N where it can run, and the Triton kernel everywhere else (and where it cannot run).
     Both launches are stubbed here (no GPU): the test records which one the op called."""
-    import jetrl.gluon_kernels as gk
+    gemm = jetrl.kernels.gemm
     calls = []
-    monkeypatch.setattr(jetrl.kernels, "gluon_decode", gluon_on)
-    monkeypatch.setattr(gk, "gluon_decode_possible", lambda a, w, out: True)
-    monkeypatch.setattr(gk, "launch_decode_overlapped", lambda *args: calls.append("gluon") or args[5])
-    monkeypatch.setattr(jetrl.kernels, "launch_fp8_gemm", lambda *args: calls.append("triton") or args[5])
+    monkeypatch.setattr(gemm, "gluon_decode_possible", lambda a, w, out: True)
+    monkeypatch.setattr(gemm, "launch_decode_overlapped", lambda *args: calls.append("gluon") or args[5])
+    monkeypatch.setattr(gemm, "launch_fp8_gemm", lambda *args: calls.append("triton") or args[5])
     a, a_scale, w, w_scale, _ = _operands(M, K, N)
-    out = jetrl.kernels._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
-    assert out.shape == (M, N) and calls == ["gluon" if routed else "triton"], calls
-    monkeypatch.setattr(gk, "gluon_decode_possible", lambda a, w, out: False)   # no Hopper or no Gluon: Triton's
-    calls.clear()
-    jetrl.kernels._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
+    with use_kernel_options(KernelOptions(gluon_decode=gluon_on)):
+        out = gemm._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
+        assert out.shape == (M, N) and calls == ["gluon" if routed else "triton"], calls
+        monkeypatch.setattr(gemm, "gluon_decode_possible", lambda a, w, out: False)   # no Hopper or no Gluon: Triton's
+        calls.clear()
+        gemm._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
     assert calls == ["triton"], calls
 
 

@@ -7,6 +7,7 @@ import torch
 
 from jetrl.fp8 import quantize, quantize_unchecked, fp8_mm, kernel_layout, has_fp8_kernel
 from jetrl.linear import FP8LinearFunction, get_recipe
+from jetrl.options import KernelOptions, use_kernel_options
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                           reason="needs a Hopper GPU (real FP8 blockwise GEMMs)")
@@ -375,10 +376,10 @@ def test_exact_trainer_micro_batch_of_one_row_equals_64_rows():
             assert torch.equal(token_log_probs(policy.model, ids[row:row + 1], mask[row:row + 1]), together[row:row + 1]), row
 
 
-# ---- jetrl.grad_kernels: the backward's fused quantizers against the old passes (bytes) and in time ----
+# ---- jetrl.kernels.grad: the backward's quantizers against torch's passes (bytes) and in time ----
 
-def _old_backward_passes(dy2d, x_fp8, hp_dtype):
-    "The four passes the fused kernels replace: dy (1x128), dy.T, and x dequantized then quantized along the tokens."
+def _torch_backward_passes(dy2d, x_fp8, hp_dtype):
+    "The backward's operands without the requantizer: dy (1x128), dy.T, and x dequantized then quantized along the tokens."
     from jetrl.kernels import quantize_1x128
     return (quantize_1x128(dy2d), quantize_1x128(dy2d.t()).t(), quantize_1x128(x_fp8.dequantize(hp_dtype).t()).t())
 
@@ -390,31 +391,28 @@ def _same_bytes(a, b):
 
 @cuda
 @pytest.mark.parametrize("M, K, N", [(10240, 3584, 18944), (1000, 896, 4864), (300, 200, 136)])   # 7B MLP, ragged
-def test_fused_grad_quantizers_bytes_equal_old_passes_and_cpu(M, K, N):
-    from jetrl.grad_kernels import quantize_dual_1x128, requantize_for_wgrad
-    from jetrl.kernels import quantize_1x128
+def test_fused_grad_quantizers_bytes_equal_torchs_passes_and_cpu(M, K, N):
+    from jetrl.kernels import quantize_1x128, requantize_for_wgrad
     torch.manual_seed(0)
     dy = (torch.randn(M, N, device="cuda") * torch.logspace(-3, 3, N, device="cuda")).to(torch.bfloat16)
     x_fp8 = quantize_1x128((torch.randn(M, K, device="cuda") * 3).to(torch.bfloat16))
-    old = _old_backward_passes(dy, x_fp8, torch.bfloat16)
+    passes = _torch_backward_passes(dy, x_fp8, torch.bfloat16)
+    assert _same_bytes(requantize_for_wgrad(x_fp8, torch.bfloat16), passes[2])
     for fmt in ("e4m3", "e5m2"):
-        new_dgrad, new_wgrad = quantize_dual_1x128(dy, fmt)
-        if fmt == "e4m3":
-            assert _same_bytes(new_dgrad, old[0]) and _same_bytes(new_wgrad, old[1])
-            assert _same_bytes(requantize_for_wgrad(x_fp8, torch.bfloat16), old[2])
         if M * N <= 10**6:                                                   # the CPU oracle, on the smaller shapes
+            for_dgrad, for_wgrad = quantize_1x128(dy, fmt), quantize_1x128(dy.t(), fmt)
             cpu = quantize_unchecked(dy.cpu(), (1, 128), fmt)
-            assert torch.equal(new_dgrad.data.cpu().view(torch.uint8), cpu.data.view(torch.uint8)), fmt
-            assert torch.equal(new_dgrad.scale.cpu(), cpu.scale), fmt
+            assert torch.equal(for_dgrad.data.cpu().view(torch.uint8), cpu.data.view(torch.uint8)), fmt
+            assert torch.equal(for_dgrad.scale.cpu(), cpu.scale), fmt
             cpu_t = quantize_unchecked(dy.cpu().t(), (1, 128), fmt)
-            assert torch.equal(new_wgrad.t().data.cpu().view(torch.uint8), cpu_t.data.view(torch.uint8)), fmt
-            assert torch.equal(new_wgrad.t().scale.cpu(), cpu_t.scale), fmt
+            assert torch.equal(for_wgrad.data.cpu().view(torch.uint8), cpu_t.data.view(torch.uint8)), fmt
+            assert torch.equal(for_wgrad.scale.cpu(), cpu_t.scale), fmt
 
 
 @cuda
-def test_fused_backward_equals_old_passes_bitwise_on_gpu():
-    "A bf16 FP8Linear's dx and dW: fused quantizers vs the old passes, eager; and compiled (fused by default) vs eager."
-    from jetrl.grad_kernels import fused_grad_quantizers
+def test_fused_backward_equals_torchs_passes_bitwise_on_gpu():
+    "A bf16 FP8Linear's dx and dW: the requantizer vs torch's passes, eager; and compiled (the kernel by default) vs eager."
+    from jetrl.kernels import fused_grad_quantizers
     torch.manual_seed(0)
     x = torch.randn(4, 500, 896, device="cuda", dtype=torch.bfloat16)        # 2,000 tokens: a partial group of tokens
     w = (torch.randn(4864, 896, device="cuda") / 30).to(torch.bfloat16)
@@ -425,8 +423,8 @@ def test_fused_backward_equals_old_passes_bitwise_on_gpu():
         with fused_grad_quantizers(fused): fn(xi, wi).backward(dy)
         return xi.grad, wi.grad
     eager = lambda a, b: FP8LinearFunction.apply(a, b, None, recipe)
-    old, new = grads(eager, False), grads(eager, True)
-    assert torch.equal(old[0], new[0]) and torch.equal(old[1], new[1])
+    passes, new = grads(eager, False), grads(eager, True)
+    assert torch.equal(passes[0], new[0]) and torch.equal(passes[1], new[1])
     xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
     torch.compile(eager)(xi, wi).backward(dy)                                # the default on CUDA: fused
     assert torch.equal(xi.grad, new[0]) and torch.equal(wi.grad, new[1])
@@ -438,37 +436,17 @@ def test_fused_grad_quantizers_past_2_31_values():
     """M * N above 2^31 (e.g. 128 rows x 1024 tokens at N = 16640): the last tile lands where a 32-bit offset would wrap.
     (quantize_1x128 computes 32-bit offsets: only 128-row slices go through it here.)"""
     from jetrl.fp8 import FP8Tensor
-    from jetrl.grad_kernels import quantize_dual_1x128, requantize_for_wgrad
-    from jetrl.kernels import quantize_1x128
+    from jetrl.kernels import quantize_1x128, requantize_for_wgrad
     M, N = 131072, 16640
     assert M * N > 2**31
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    for_dgrad, for_wgrad = quantize_dual_1x128(dy)
-    tail = dy[-128:]                                                          # the last group of tokens, on its own
-    assert _same_bytes(FP8Tensor(for_dgrad.data[-128:], for_dgrad.scale[-128:], (1, 128), "e4m3"), quantize_1x128(tail))
-    last_group = quantize_1x128(tail.t())
-    assert torch.equal(for_wgrad.t().data[:, -128:].view(torch.uint8), last_group.data.view(torch.uint8))
-    assert torch.equal(for_wgrad.t().scale[:, -1:], last_group.scale)
-    x_fp8, for_wgrad = for_dgrad, None                       # dy's 1x128 copy, as if an x (M, K = 16640) had been saved
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    x_fp8 = quantize_1x128(x)                                  # a saved x (M, K = 16640) in 1x128 groups (64-bit offsets)
     x_wgrad = requantize_for_wgrad(x_fp8, torch.bfloat16)
     tail_fp8 = FP8Tensor(x_fp8.data[-128:], x_fp8.scale[-128:], (1, 128), "e4m3")
     want = quantize_1x128(tail_fp8.dequantize(torch.bfloat16).t())
     assert torch.equal(x_wgrad.t().data[:, -128:].view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(x_wgrad.t().scale[:, -1:], want.scale)
 
-@cuda
-@pytest.mark.parametrize("N", [4608, 18944, 896])                           # 7B qkv, 7B gate/up, 0.5B q/o
-def test_dy_two_passes_give_the_one_pass_bytes(N):
-    "The default (dy_one_pass False: two quantize_1x128 passes) gives the one-pass kernel's bytes (speed: speed_check)."
-    from jetrl.grad_kernels import quantize_dual_1x128
-    from jetrl.kernels import quantize_1x128
-    import jetrl.grad_kernels
-    assert jetrl.grad_kernels.dy_one_pass is False
-    torch.manual_seed(0)
-    dy = torch.randn(10240, N, device="cuda", dtype=torch.bfloat16)
-    one = quantize_dual_1x128(dy)
-    two = quantize_1x128(dy), quantize_1x128(dy.t()).t()
-    assert _same_bytes(one[0], two[0]) and _same_bytes(one[1], two[1])
 
 
 @cuda
@@ -514,13 +492,11 @@ def _fp8_and_bf16_weights(N: int, K: int):
 
 @cuda
 def test_many_row_fp8_gemm_takes_cublas_with_the_kernels_bits(monkeypatch):
-    import jetrl.kernels as kernels
+    import jetrl.kernels.gemm as gemm
     from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, same_bits
-    monkeypatch.setattr(kernels, "_fast_chosen", {})                  # every verdict below is made here, on this data
+    monkeypatch.setattr(gemm, "_fast_chosen", {})                     # every verdict below is made here, on this data
     def kernel_only(fn):
-        with monkeypatch.context() as m:
-            m.setattr(kernels, "cublas_when_same_bits", False)
-            return fn()
+        with use_kernel_options(KernelOptions(cublas_when_same_bits=False)): return fn()
     torch.manual_seed(0)
     # the 7B trainer's three shapes and 0.5B prefill-sized ones
     for M, N, K in ((10240, 3584, 3584), (10240, 18944, 3584), (10240, 3584, 18944), (640, 4864, 896), (300, 896, 4864)):
@@ -536,42 +512,11 @@ def test_many_row_fp8_gemm_takes_cublas_with_the_kernels_bits(monkeypatch):
                 fast = fp8_gemm_invariant(a, w, torch.bfloat16, w_scale, b)
                 exact = kernel_only(lambda: fp8_gemm_invariant(a, w, torch.bfloat16, w_scale, b))
                 assert same_bits(fast, exact), (M, N, K, b is None, a is other_fp8)
-            chosen = [v for k, v in kernels._fast_chosen.items()
+            chosen = [v for k, v in gemm._fast_chosen.items()
                       if k[1:6] == (M, N, K, torch.bfloat16, None if b is None else b.dtype)]
             assert chosen == [True], (M, N, K, chosen)     # cuBLAS ran it, and gave the kernel's bits
 
 
-# With cublas_at_decode, a decode GEMM (65-256 rows) takes cuBLAS where it gives the kernel's bits in less GPU time,
-# timed from a CUDA graph when first seen (benchmarks/results/fp8_gemm_tiles_h200.jsonl, 7B at 128 rows: cuBLAS faster at
-# the fused gate+up, the kernel at q/o). Where the two differ by more than DECODE_CHOICE_CLEAR_MARGIN, the choice must follow.
-DECODE_CHOICE_CLEAR_MARGIN = 0.15
-
-@cuda
-def test_decode_fp8_gemm_takes_cublas_only_where_same_bits_and_faster(capsys, monkeypatch):
-    import jetrl.kernels as kernels
-    from jetrl.kernels import quantize_1x128, fp8_gemm_invariant, same_bits
-    monkeypatch.setattr(kernels, "_fast_chosen", {})
-    monkeypatch.setattr(kernels, "cublas_at_decode", True)
-    monkeypatch.setattr(kernels, "gluon_decode", False)    # cuBLAS against the Triton kernel (the down projection
-    torch.manual_seed(0)                                   # otherwise takes the Gluon kernel first)
-    hidden, kv, mlp = 3584, 512, 18944
-    for rows in (128, 256):
-        for N, K in ((hidden + 2 * kv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)):
-            x_fp8 = quantize_1x128(torch.randn(rows, K, device="cuda", dtype=torch.bfloat16))
-            w, w_scale, _ = _fp8_and_bf16_weights(N, K)
-            fast = fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale)
-            chosen = [v for k, v in kernels._fast_chosen.items() if k[1:4] == (rows, N, K)]
-            with monkeypatch.context() as m:
-                m.setattr(kernels, "cublas_when_same_bits", False)
-                exact = fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale)
-                kernel_us = _graph_time_us(lambda: fp8_gemm_invariant(x_fp8, w, torch.bfloat16, w_scale))
-            assert same_bits(fast, exact) and len(chosen) == 1, (rows, N, K, chosen)
-            cublas_us = _graph_time_us(lambda: kernels._fp8_gemm(x_fp8.data, x_fp8.scale, w.data, w_scale,
-                                                                 kernels.CUBLAS_BLOCKWISE_LAYOUT, torch.bfloat16))
-            with capsys.disabled(): print(f"\ndecode GEMM {rows} x {N} x {K}: cuBLAS {cublas_us:.1f} us, kernel {kernel_us:.1f} us, "
-                                          f"chosen {'cuBLAS' if chosen[0] else 'kernel'}")
-            if abs(cublas_us - kernel_us) > DECODE_CHOICE_CLEAR_MARGIN * min(cublas_us, kernel_us):
-                assert chosen[0] == (cublas_us < kernel_us), (rows, N, K, cublas_us, kernel_us, chosen)
 
 
 @cuda
@@ -711,7 +656,8 @@ def _norm_relative(got, want):
 @cuda
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_backward_kernel_matches_autograd(weight_dtype):
-    from jetrl.kernels import rms_norm_backward, _rms_norm_backward_autograd
+    from jetrl.kernels import rms_norm_backward
+    from jetrl.kernels.norm import _rms_norm_backward_autograd
     torch.manual_seed(0)
     M, H = 2048, 3584                                                 # a fifth of the 7B micro-batch, the 7B hidden size
     x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
@@ -728,7 +674,8 @@ def test_rms_norm_backward_kernel_matches_autograd(weight_dtype):
 @cuda
 def test_rms_norm_backward_kernel_shapes_on_gpu():
     "H not a power of two and up to 8,192, 3-D x, a strided dy, one gradient at a time, the 7B micro-batch's rows."
-    from jetrl.kernels import rms_norm_backward, _rms_norm_backward_autograd
+    from jetrl.kernels import rms_norm_backward
+    from jetrl.kernels.norm import _rms_norm_backward_autograd
     torch.manual_seed(0)
     for shape in [(16, 40, 96), (3, 100, 200), (7, 33, 8192), (10240, 3584)]:
         H = shape[-1]
@@ -870,11 +817,10 @@ ENTROPY_ABS = 2e-5
 
 @cuda
 @pytest.mark.parametrize("T", [1.0, 0.7])
-def test_softmax_entropy_kernel_matches_the_formula(T, monkeypatch):
+def test_softmax_entropy_kernel_matches_the_formula(T):
     "One trainer chunk at the 7B vocabulary: within ENTROPY_ABS of the float64 formula."
-    import jetrl.kernels
     from jetrl.kernels import softmax_entropy, entropy_from_log_softmax
-    monkeypatch.setattr(jetrl.kernels, "fused_entropy", True)
+    assert KernelOptions().fused_entropy                                 # the default: the kernel
     logits, _, _ = _selective_inputs()
     logits[1] = logits[1] * 30                                          # a peaked row
     got = softmax_entropy(logits, T)
@@ -934,9 +880,10 @@ def test_decode_silu_mul_quantizes_in_its_pass():
 
 @cuda
 def test_rotary_kernel_gives_torch_bits(monkeypatch):
-    import jetrl.kernels
-    from jetrl.kernels import rotate_half_kernel, _rotary_torch, _rotary_op, same_bits
-    monkeypatch.setattr(jetrl.kernels, "rotary_kernel", True)
+    import jetrl.kernels.attention
+    from jetrl.kernels import rotate_half_kernel, same_bits
+    from jetrl.kernels.attention import _rotary_torch, _rotary_op
+    assert KernelOptions().rotary_kernel                                 # the default: the kernel
     torch.manual_seed(0)
     strides = lambda t: [s for s, n in zip(t.stride(), t.shape) if n > 1]         # a size-1 dim's stride is free
     for dtype in (torch.float32, torch.bfloat16):      # fp32: no fused multiply-add may creep in (enable_fp_fusion)
@@ -952,16 +899,16 @@ def test_rotary_kernel_gives_torch_bits(monkeypatch):
             dy[0, 0, 0] = 0.0                                               # the gradient's -0 = -0 - (+0) there
             a, r = q.clone().requires_grad_(), q.clone().requires_grad_()
             out, calls = rotate_half_kernel(a, cos, sin), []
-            monkeypatch.setattr(jetrl.kernels, "_rotary_op", lambda *args, **kw: calls.append(kw) or _rotary_op(*args, **kw))
+            monkeypatch.setattr(jetrl.kernels.attention, "_rotary_op", lambda *args, **kw: calls.append(kw) or _rotary_op(*args, **kw))
             out.backward(dy)
-            monkeypatch.setattr(jetrl.kernels, "_rotary_op", _rotary_op)
+            monkeypatch.setattr(jetrl.kernels.attention, "_rotary_op", _rotary_op)
             assert calls == [{"backward": True}], calls                    # the gradient came from the kernel
             _rotary_torch(r, cos, sin).backward(dy)
             assert torch.signbit(r.grad[0, 0, 0, 64:]).all()
             assert same_bits(a.grad, r.grad), ("gradient", name, dtype)
 
 
-# ---- The overlapped decode GEMM (jetrl.gluon_kernels, Gluon; on by default for decode GEMMs with K >= 2N) ----
+# ---- The overlapped decode GEMM (jetrl.kernels.decode_gemm, Gluon; on by default for decode GEMMs with K >= 2N) ----
 # A hang here (a barrier never completing) stops the whole run: run these first on their own, under `timeout`.
 GLUON_DECODE_SHAPES = [(128, 3584, 4608), (128, 3584, 3584), (128, 3584, 37888), (128, 18944, 3584),   # 7B, fused
                        (256, 896, 1152), (256, 896, 896), (256, 896, 9728), (256, 4864, 896),          # 0.5B
@@ -969,7 +916,7 @@ GLUON_DECODE_SHAPES = [(128, 3584, 4608), (128, 3584, 3584), (128, 3584, 37888),
 
 
 def _gluon_decode_or_skip():
-    from jetrl.gluon_kernels import gluon_importable
+    from jetrl.kernels.decode_gemm import gluon_importable
     if not gluon_importable(): pytest.skip("this Triton has no Gluon")
 
 
@@ -980,7 +927,7 @@ def test_gluon_decode_gemm_gives_the_triton_kernels_bits(M, K, N):
     of 2-8 blocks), with a bias, and with E5M2 activations (the default tile). A build per tile and K / 128 % unroll."""
     _gluon_decode_or_skip()
     from jetrl.kernels import quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles
-    from jetrl.gluon_kernels import launch_decode_overlapped, OverlappedTile
+    from jetrl.kernels.decode_gemm import launch_decode_overlapped, OverlappedTile
     torch.manual_seed(0)
     w, w_scale, _ = _fp8_and_bf16_weights(N, K)
     tiles = [None, OverlappedTile(64, 16, 1, 2, 2), OverlappedTile(64, 64, 2, 4, 6), OverlappedTile(128, 64, 1, 8, 8),
@@ -1003,7 +950,7 @@ def test_gluon_decode_gemm_fp32_bias_and_output():
     "An fp32 bias (a master weight) and an fp32 output: the Triton kernel's roundings."
     _gluon_decode_or_skip()
     from jetrl.kernels import quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles
-    from jetrl.gluon_kernels import launch_decode_overlapped
+    from jetrl.kernels.decode_gemm import launch_decode_overlapped
     torch.manual_seed(1)
     M, K, N = 100, 3 * 128, 160
     w, w_scale, _ = _fp8_and_bf16_weights(N, K)
@@ -1021,14 +968,13 @@ def test_gluon_decode_engine_equals_trainer_bitwise(monkeypatch, capsys):
     """jet's engine with the overlapped decode GEMM (the default; set here so the test states it): every log-prob equals
     the trainer's (8 layers of the 0.5B shape), and the kernel ran (the down projections)."""
     _gluon_decode_or_skip()
-    import jetrl.kernels
+    import jetrl.kernels.decode_gemm as decode_gemm
     from jetrl.rollout import SamplingParams
-    monkeypatch.setattr(jetrl.kernels, "gluon_decode", True)
-    import jetrl.gluon_kernels
-    before = jetrl.gluon_kernels.launches
+    before = decode_gemm.launches
     policy = _qwen2_05b_policy("jet", exact=False, layers=8)
-    gap, _, _ = _gaps(policy, _ragged_prompts(16), SamplingParams(n=4, max_new_tokens=128, seed=0, ignore_eos=True))
-    launched = jetrl.gluon_kernels.launches - before
+    with use_kernel_options(KernelOptions(gluon_decode=True)):
+        gap, _, _ = _gaps(policy, _ragged_prompts(16), SamplingParams(n=4, max_new_tokens=128, seed=0, ignore_eos=True))
+    launched = decode_gemm.launches - before
     with capsys.disabled(): print(f"\njet with the overlapped decode GEMM: max gap {float(gap.max()):.1e}, {launched} launches")
     assert launched and float(gap.max()) == 0.0
 

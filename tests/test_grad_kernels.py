@@ -1,6 +1,6 @@
-"""Tests of `jetrl.grad_kernels`: the fused backward quantizers give the CPU quantizer's bytes and scales (partial groups,
-zero rows, E4M3 and E5M2, bf16 / fp16 / fp32 inputs), and FP8LinearFunction's backward through them equals the old
-passes' dx and dW bit for bit. The kernels run where Triton runs: on a CUDA GPU, or on the CPU under Triton's interpreter
+"""Tests of `jetrl.kernels.grad`: the requantizer gives the CPU quantizer's bytes and scales (partial groups, zero
+rows, E4M3 and E5M2, bf16 / fp16 / fp32 inputs), and FP8LinearFunction's backward through it equals torch's passes'
+dx and dW bit for bit. The kernels run where Triton runs: on a CUDA GPU, or on the CPU under Triton's interpreter
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_grad_kernels.py        (Triton installed; ~3 minutes)
 
@@ -8,12 +8,12 @@ Elsewhere (CI: no Triton) those tests are skipped and only the input checks and 
 import pytest
 import torch
 
-import jetrl.grad_kernels
+import jetrl.kernels.grad
 import jetrl.linear
 from jetrl.fp8 import FP8Tensor, KERNEL_BLOCK, quantize_unchecked
 from jetrl.kernels import HAS_TRITON, INTERPRETING, invariant_kernels_available
-from jetrl.grad_kernels import (HP_DTYPES, LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES, quantize_dual_1x128,
-                                requantize_for_wgrad, fused_grad_quantizers, fused_grad_quantizers_active, _round_to_format)
+from jetrl.kernels.grad import (HP_DTYPES, REQUANTIZE_CANDIDATES, requantize_for_wgrad, fused_grad_quantizers,
+                                fused_grad_quantizers_active, _round_to_format)
 from jetrl.linear import FP8Recipe, FP8LinearFunction, _quantize
 from test_kernels import assert_same_fp8_but_nan_signs, assert_scales_column_major, gpu_casts  # noqa: F401 (a fixture)
 
@@ -34,7 +34,7 @@ def assert_same_fp8(got: FP8Tensor, want: FP8Tensor):
 
 
 def transposed_oracle(t: torch.Tensor, fmt: str) -> FP8Tensor:
-    "What the old backward hands Wgrad: `_quantize(t, recipe, operand, 'wgrad', True)` on the CPU quantizer."
+    "What the backward hands Wgrad without the kernels: `_quantize(t, recipe, operand, 'wgrad', True)` on the CPU quantizer."
     return _quantize(t, FP8Recipe("oracle", act_fmt=fmt, grad_fmt=fmt), "dy", "wgrad", True)
 
 
@@ -63,38 +63,16 @@ def test_exact_rounding_equals_torch_cast(dtype):
     assert torch.equal(got.view(torch.int32), x32.to(dtype).float().view(torch.int32))
 
 
-# ---- dy: one pass, both layouts ----
-
-@needs_kernels
-@pytest.mark.parametrize("M, N", SHAPES)
-@pytest.mark.parametrize("fmt, dtype", [("e4m3", torch.bfloat16), ("e5m2", torch.bfloat16), ("e4m3", torch.float32),
-                                        ("e5m2", torch.float16)])
-def test_dual_equals_cpu_quantizer(M, N, fmt, dtype):
-    dy = ragged_values(M, N, dtype)
-    for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE), fmt)
-    assert_same_fp8(for_dgrad, quantize_unchecked(dy, (1, G), fmt))
-    want = transposed_oracle(dy, fmt)
-    assert_same_fp8(for_wgrad, want)
-    if dy.numel(): assert for_dgrad.data.is_contiguous() and for_wgrad.data.stride() == want.data.stride()   # (1, M): dy.T
-    assert for_wgrad.t().data.is_contiguous()
-    assert_scales_column_major(for_dgrad); assert_scales_column_major(for_wgrad.t())   # as the GEMMs read them
-
-
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_backward_quantizers_keep_nan_and_inf_visible(fmt, gpu_casts):
-    """A group holding NaN gets scale 1 and its NaN stays NaN, a group holding inf scale inf, in dy's two layouts and
-    in Wgrad's requantized x, as the CPU quantizer has them (the forward quantizers' rule, `jetrl.kernels`): a diverged
-    gradient must not turn into finite FP8 codes. Under the interpreter the amax half is checked (its max skips a NaN
+    """A group holding NaN gets scale 1 and its NaN stays NaN, a group holding inf scale inf, in Wgrad's requantized x,
+    as the CPU quantizer has them (the quantizers' rule, `jetrl.kernels.support`): a diverged activation must not turn
+    into finite FP8 codes. Under the interpreter the amax half is checked (its max skips a NaN
     as the GPU's does; `gpu_casts`: its own FP8 cast turns NaN into a finite code, the GPU's keeps it); on a GPU, the
     clamp too."""
     dy = ragged_values(300, 260, torch.bfloat16, seed=7) * 100
     dy[3, 7] = dy[200, 250] = float("nan"); dy[11, 130], dy[140, 5] = float("inf"), -float("inf")
-    for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE), fmt)
-    want_dgrad, want_wgrad = quantize_unchecked(dy, (1, G), fmt), transposed_oracle(dy, fmt)
-    assert want_dgrad.scale[3, 0] == 1 and want_wgrad.scale[0, 7] == 1 and want_dgrad.scale[11, 1] == float("inf")
-    assert_same_fp8_but_nan_signs(for_dgrad, want_dgrad)
-    assert_same_fp8_but_nan_signs(for_wgrad, want_wgrad)
     x_fp8 = quantize_unchecked(dy, (1, G), fmt)                       # a saved activation holding NaN and inf groups
     got = requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), fmt), torch.bfloat16)
     want = transposed_oracle(x_fp8.dequantize(torch.bfloat16), fmt)
@@ -102,44 +80,20 @@ def test_backward_quantizers_keep_nan_and_inf_visible(fmt, gpu_casts):
     assert_same_fp8_but_nan_signs(got, want)
 
 
-@needs_kernels
-def test_dual_reads_a_strided_gradient():
-    "A transposed view (column-major dy) gives the same bytes as its contiguous copy."
-    dy = ragged_values(260, 300, torch.bfloat16).t()                   # (300, 260), strides (1, 300)
-    for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE))
-    assert_same_fp8(for_dgrad, quantize_unchecked(dy, (1, G)))
-    assert_same_fp8(for_wgrad, transposed_oracle(dy.contiguous(), "e4m3"))
-
-
 @pytest.fixture
 def launch_tables():
-    "DUAL_LAUNCH and REQUANTIZE_LAUNCH, restored after the test."
-    tables = (jetrl.grad_kernels.DUAL_LAUNCH, jetrl.grad_kernels.REQUANTIZE_LAUNCH)
-    saved = [dict(t) for t in tables]
-    yield tables
-    for t, s in zip(tables, saved): t.clear(); t.update(s)
-
-
-@needs_kernels
-@pytest.mark.parametrize("launch", LAUNCH_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
-def test_every_launch_candidate_gives_the_same_bytes(launch, launch_tables):
-    "Every launch the benchmark sweeps (tile, quads; warps, register caps) gives the CPU quantizer's bytes, both kernels."
-    for t in launch_tables: t.clear(); t.update(launch)
-    for M, N in [(300, 200), (129, 256)]:                       # partial tiles along both dimensions
-        dy = ragged_values(M, N, torch.bfloat16, seed=3)
-        for_dgrad, for_wgrad = quantize_dual_1x128(dy.to(DEVICE), "e4m3")
-        assert_same_fp8(for_dgrad, quantize_unchecked(dy, (1, G), "e4m3"))
-        assert_same_fp8(for_wgrad, transposed_oracle(dy, "e4m3"))
-        x_fp8 = quantize_unchecked(dy, (1, G), "e4m3")
-        got = requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"), torch.bfloat16)
-        assert_same_fp8(got, transposed_oracle(x_fp8.dequantize(torch.bfloat16), "e4m3"))
+    "REQUANTIZE_LAUNCH, restored after the test."
+    table = jetrl.kernels.grad.REQUANTIZE_LAUNCH
+    saved = dict(table)
+    yield table
+    table.clear(); table.update(saved)
 
 
 @needs_kernels
 @pytest.mark.parametrize("launch", REQUANTIZE_CANDIDATES, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
     "Every requantizer launch the benchmark sweeps (tile, quads; warps, columns) gives the CPU oracle's bytes and scales."
-    launch_tables[1].clear(); launch_tables[1].update(launch)
+    launch_tables.clear(); launch_tables.update(launch)
     # partial groups both ways (K = 200: a tile's columns past K; 300 tokens: a partial group of 44), a partial
     # group of K, a single row, no rows
     for M, K in [(300, 200), (129, 100), (1, 5), (0, 200)]:
@@ -161,47 +115,43 @@ def test_every_requantize_candidate_gives_the_same_bytes(launch, launch_tables):
 
 @needs_kernels
 def test_an_unknown_launch_form_fails_clearly(launch_tables):
-    launch_tables[0].update(form="rows")
-    with pytest.raises(ValueError, match=r"DUAL_LAUNCH\['form'\] is one of \['quads', 'tile'\]"):
-        quantize_dual_1x128(torch.randn(4, 8, device=DEVICE))
     x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
+    launch_tables.update(form="rows")
+    with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['form'\] is one of \['quads', 'tile'\]"):
+        requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
     for cols in (48, 0, 256):                                         # a requantizer tile's columns must divide 128
-        launch_tables[1].clear(); launch_tables[1].update(form="tile", COLS=cols)
+        launch_tables.clear(); launch_tables.update(form="tile", COLS=cols)
         with pytest.raises(ValueError, match=r"REQUANTIZE_LAUNCH\['COLS'\] must divide 128"):
             requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
 
 
 @needs_kernels
-def test_quads_kernels_run_on_whole_words_and_the_tile_kernels_otherwise(monkeypatch):
-    "The default launches do run the quads kernels where the tokens are a multiple of 4 (the tests above then check their bytes)."
-    ran, real = [], jetrl.grad_kernels._kernel
+def test_quads_kernel_runs_on_whole_words_and_the_tile_kernel_otherwise(monkeypatch):
+    "The default launch does run the quads kernel where the tokens are a multiple of 4 (the tests above then check its bytes)."
+    ran, real = [], jetrl.kernels.grad._kernel
     def spy(kernels, launch, table):
         kernel, rest = real(kernels, launch, table)
         ran.append(next(form for form, k in kernels.items() if k is kernel))
         return kernel, rest
-    monkeypatch.setattr(jetrl.grad_kernels, "_kernel", spy)
+    monkeypatch.setattr(jetrl.kernels.grad, "_kernel", spy)
     for M, form in [(300, "quads"), (129, "tile")]:
         ran.clear()
-        dy = ragged_values(M, 200, torch.bfloat16)
-        quantize_dual_1x128(dy.to(DEVICE))
-        x_fp8 = quantize_unchecked(dy, (1, G))
+        x_fp8 = quantize_unchecked(ragged_values(M, 200, torch.bfloat16), (1, G))
         requantize_for_wgrad(FP8Tensor(x_fp8.data.to(DEVICE), x_fp8.scale.to(DEVICE), (1, G), "e4m3"))
-        assert ran == [form, form], (M, ran)
+        assert ran == [form], (M, ran)
 
 
 def test_quads_launches_only_where_the_tokens_fill_whole_words():
     "The quads form packs four tokens to a word: other token counts take the tile form (the bytes are the same)."
-    from jetrl.grad_kernels import (_aligned, DUAL_LAUNCH, DUAL_UNALIGNED, REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED)
-    assert DUAL_LAUNCH["form"] == REQUANTIZE_LAUNCH["form"] == "quads"              # the defaults, as measured
+    from jetrl.kernels.grad import _aligned, REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED
+    assert REQUANTIZE_LAUNCH["form"] == "quads"                                     # the default, as measured
     for tokens in (4, 300, 10240):
-        assert _aligned(DUAL_LAUNCH, DUAL_UNALIGNED, tokens) is DUAL_LAUNCH
         assert _aligned(REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED, tokens) is REQUANTIZE_LAUNCH
     for tokens in (1, 129, 10241):
-        assert _aligned(DUAL_LAUNCH, DUAL_UNALIGNED, tokens) is DUAL_UNALIGNED
         assert _aligned(REQUANTIZE_LAUNCH, REQUANTIZE_UNALIGNED, tokens) is REQUANTIZE_UNALIGNED
-    assert DUAL_UNALIGNED["form"] == REQUANTIZE_UNALIGNED["form"] == "tile"
+    assert REQUANTIZE_UNALIGNED["form"] == "tile"
     tile = dict(form="tile", num_warps=8)
-    assert _aligned(tile, DUAL_UNALIGNED, 129) is tile                               # a tile launch runs as it is
+    assert _aligned(tile, REQUANTIZE_UNALIGNED, 129) is tile                         # a tile launch runs as it is
 
 
 # ---- x: Wgrad's operand from the saved FP8 copy ----
@@ -238,7 +188,7 @@ def test_requantize_output_format():
     assert_same_fp8(got, transposed_oracle(x_fp8.dequantize(torch.bfloat16), "e5m2"))
 
 
-# ---- the whole backward: fused against the old passes ----
+# ---- the whole backward: the kernels against torch's passes ----
 
 def run_backward(x, w, dy, recipe, bias=None, grads=(True, True)):
     "dx, dW (and db) of FP8LinearFunction for the given inputs."
@@ -248,23 +198,15 @@ def run_backward(x, w, dy, recipe, bias=None, grads=(True, True)):
     return [None if t is None else t.grad for t in (xi, wi, bi)]
 
 
-@pytest.fixture(params=[False, True], ids=["dy-two-passes", "dy-one-pass"])
-def dy_one_pass(request, monkeypatch):
-    "Both ways of quantizing dy's two layouts: two quantize_1x128 passes (the default) and quantize_dual_1x128."
-    monkeypatch.setattr(jetrl.grad_kernels, "dy_one_pass", request.param)
-    return request.param
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    "Counts the backward's calls of the two fused quantizers."
-    calls = {"dual": 0, "requantize": 0}
+    "Counts the backward's calls of the requantizer."
+    calls = {"requantize": 0}
     def counting(name, fn):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(jetrl.linear, "quantize_dual_1x128", counting("dual", quantize_dual_1x128))
     monkeypatch.setattr(jetrl.linear, "requantize_for_wgrad", counting("requantize", requantize_for_wgrad))
     return calls
 
@@ -273,29 +215,29 @@ def kernel_calls(monkeypatch):
 @pytest.mark.parametrize("recipe", [FP8Recipe("blockwise"), FP8Recipe("e5m2-grads", grad_fmt="e5m2"),
                                     FP8Recipe("e5m2-acts", act_fmt="e5m2")], ids=lambda r: r.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_backward_equals_old_passes_bitwise(recipe, dtype, kernel_calls, dy_one_pass):
+def test_fused_backward_equals_torchs_passes_bitwise(recipe, dtype, kernel_calls):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 150, 200, generator=g).to(dtype).to(DEVICE)              # 300 tokens, K = 200: partial groups
     w = (torch.randn(136, 200, generator=g) / 200**0.5).to(dtype).to(DEVICE)
     dy, bias = torch.randn(2, 150, 136, generator=g).to(dtype).to(DEVICE), torch.randn(136).to(dtype).to(DEVICE)
     with fused_grad_quantizers(False): old = run_backward(x, w, dy, recipe, bias)
-    assert kernel_calls == {"dual": 0, "requantize": 0}
+    assert kernel_calls == {"requantize": 0}
     with fused_grad_quantizers(True): new = run_backward(x, w, dy, recipe, bias)
-    assert kernel_calls == {"dual": int(dy_one_pass), "requantize": 1}          # the new path did run
+    assert kernel_calls == {"requantize": 1}                                    # the kernel did run
     for name, a, b in zip(("dx", "dW", "db"), old, new):
         assert torch.equal(a, b), f"{recipe.name} {dtype}: {name} differs"
 
 
 @needs_kernels
 @pytest.mark.parametrize("grads", [(False, True), (True, False)], ids=["weight-only", "input-only"])
-def test_fused_backward_with_one_gradient(grads, kernel_calls, dy_one_pass):
-    "Only dW (a first layer) or only dx (a frozen weight): no dual pass; the remaining operand as before, same bits."
+def test_fused_backward_with_one_gradient(grads, kernel_calls):
+    "Only dW (a first layer) or only dx (a frozen weight): the requantizer only for dW; the same bits."
     g = torch.Generator().manual_seed(1)
     x, w, dy = torch.randn(260, 384, generator=g), torch.randn(200, 384, generator=g) / 20, torch.randn(260, 200, generator=g)
     x, w, dy = (t.to(torch.bfloat16).to(DEVICE) for t in (x, w, dy))
     with fused_grad_quantizers(False): old = run_backward(x, w, dy, RECIPE, grads=grads)
     with fused_grad_quantizers(True): new = run_backward(x, w, dy, RECIPE, grads=grads)
-    assert kernel_calls == {"dual": 0, "requantize": int(grads[1])}
+    assert kernel_calls == {"requantize": int(grads[1])}
     for a, b in zip(old, new):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -304,14 +246,13 @@ def test_fused_backward_with_one_gradient(grads, kernel_calls, dy_one_pass):
 @pytest.mark.parametrize("recipe", [FP8Recipe("pow2", pow2_scale=True), FP8Recipe("rowwise", "rowwise"),
                                     FP8Recipe("tensorwise", "tensorwise"), FP8Recipe("g64", group_size=64),
                                     FP8Recipe("fprop-bf16", fp8_gemms=("dgrad", "wgrad"))], ids=lambda r: r.name)
-def test_other_recipes_keep_the_old_passes(recipe, kernel_calls, dy_one_pass):
-    "Power-of-two scales, other granularities and group sizes never reach the kernels; an x saved in high precision is quantized as before."
+def test_other_recipes_keep_torchs_passes(recipe, kernel_calls):
+    "Power-of-two scales, other granularities and group sizes never reach the kernel; an x saved in high precision is quantized by torch's passes."
     g = torch.Generator().manual_seed(2)
     x, w, dy = torch.randn(256, 256, generator=g), torch.randn(128, 256, generator=g) / 16, torch.randn(256, 128, generator=g)
     with fused_grad_quantizers(True): new = run_backward(x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE), recipe)
     with fused_grad_quantizers(False): old = run_backward(x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE), recipe)
-    uses_dual = dy_one_pass and recipe.name == "fprop-bf16"   # blockwise 1x128 gradients; only x comes unquantized
-    assert kernel_calls == {"dual": int(uses_dual), "requantize": 0}
+    assert kernel_calls == {"requantize": 0}
     for a, b in zip(old, new):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -359,7 +300,6 @@ def test_wgrad_operand_dropped_when_a_sibling_sits_out_the_backward(kernel_calls
 # ---- routing and errors (these run everywhere, Triton or not) ----
 
 def test_default_routing_keeps_the_cpu_path():
-    assert jetrl.grad_kernels.dy_one_pass is False           # two passes for dy: measured faster on an H200
     assert not fused_grad_quantizers_active("cpu")
     with fused_grad_quantizers(False): assert not fused_grad_quantizers_active("cuda")
     assert fused_grad_quantizers_active("cuda") == HAS_TRITON       # by default: any CUDA tensor, where Triton is installed
@@ -376,18 +316,14 @@ def test_forcing_the_kernels_without_triton_fails_clearly():
 
 @pytest.mark.skipif(invariant_kernels_available("cpu"), reason="the interpreter runs the kernels on the CPU")
 def test_kernels_on_a_cpu_tensor_fail_clearly():
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        quantize_dual_1x128(torch.randn(4, 8))
     x_fp8 = quantize_unchecked(torch.randn(4, 8), (1, G))
-    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         requantize_for_wgrad(x_fp8)
 
 
 def test_bad_inputs_fail_before_any_work():
-    with pytest.raises(ValueError, match="2-D high-precision"): quantize_dual_1x128(torch.randn(2, 4, 8))
-    with pytest.raises(ValueError, match="2-D high-precision"): quantize_dual_1x128(torch.randn(4, 8).to(torch.float8_e4m3fn))
-    with pytest.raises(ValueError, match="Unknown FP8 format"): quantize_dual_1x128(torch.randn(4, 8), "e3m4")
     x32 = torch.randn(256, 256)
+    with pytest.raises(ValueError, match="Unknown FP8 format"): requantize_for_wgrad(quantize_unchecked(x32, (1, G)), fmt="e3m4")
     with pytest.raises(ValueError, match="1x128 groups"): requantize_for_wgrad(quantize_unchecked(x32, (128, 128)))
     with pytest.raises(ValueError, match="1x128 groups"): requantize_for_wgrad(quantize_unchecked(x32, (1, 64)))
     with pytest.raises(ValueError, match="backward's dtype"): requantize_for_wgrad(quantize_unchecked(x32, (1, G)), torch.float64)
@@ -396,7 +332,7 @@ def test_bad_inputs_fail_before_any_work():
 
 @needs_kernels
 def test_fp8_gemm_default_launch_gives_a_row_the_same_bits_at_every_row_count():
-    """The forward's FP8 GEMM (jetrl.kernels) at the row counts where its launch changes: 64-row decode tiles (pointer
+    """The forward's FP8 GEMM (jetrl.kernels.gemm) at the row counts where its launch changes: 64-row decode tiles (pointer
     loads up to 64 rows and with 16-column strips, TMA with wider strips; one to four row tiles), 128-row decode tiles
     for wide weights (TMA; one or two row tiles; on a GPU only: the interpreter is slow at such widths) and the
     trainer's 64 x 128 TMA tiles reading one weight scale per K block; every row must keep the bits it has among 300
@@ -421,11 +357,11 @@ def test_fp8_gemm_default_launch_gives_a_row_the_same_bits_at_every_row_count():
     assert every <= launches, every - launches                             # every decode launch was exercised
 
 
-# ---- cuBLAS for many-row FP8 GEMMs only where it gives the kernel's bits (jetrl.kernels.fast_if_same_bits) -----------
+# ---- cuBLAS for many-row FP8 GEMMs only where it gives the kernel's bits (jetrl.kernels.gemm.fast_if_same_bits) ------
 # The decision is plain Python: run here with stand-ins for cuBLAS and the kernel (the H200 test runs the real ones).
 
 def test_fast_gemm_used_only_where_it_gives_the_exact_bits():
-    from jetrl.kernels import fast_if_same_bits, _fast_chosen
+    from jetrl.kernels.gemm import fast_if_same_bits, _fast_chosen
     torch.manual_seed(0)
     exact = torch.randn(300, 8)
     asked = []
@@ -448,16 +384,6 @@ def test_fast_gemm_used_only_where_it_gives_the_exact_bits():
         def refuses(): raise RuntimeError("cuBLAS: layout not supported")
         assert fast_if_same_bits(("test", "refused"), refuses, exact_gemm) is None   # a refusal: the exact kernel
         assert _fast_chosen[("test", "refused")] is False
-        clocked = []
-        def clock(fn): clocked.append(fn); return 1.0 if fn is fast_gemm else 2.0      # the fast one is faster
-        fast_gemm = lambda: exact.clone()
-        assert torch.equal(fast_if_same_bits(("test", "faster"), fast_gemm, exact_gemm, time_ms=clock), exact)
-        assert clocked == [fast_gemm, exact_gemm]                                   # both timed, once
-        assert torch.equal(fast_if_same_bits(("test", "faster"), fast_gemm, exact_gemm, time_ms=clock), exact)
-        assert len(clocked) == 2
-        slower = lambda fn: 3.0 if fn is fast_gemm else 2.0                         # same bits, more time
-        assert fast_if_same_bits(("test", "slower"), fast_gemm, exact_gemm, time_ms=slower) is None
-        assert _fast_chosen[("test", "slower")] is False
         with_nan = exact.clone(); with_nan[7, 3] = float("nan")                    # a diverged batch: NaN bits differ
         other_nan = with_nan.clone(); other_nan.view(torch.int32)[7, 3] ^= 1
         assert fast_if_same_bits(("test", "nan"), lambda: other_nan, lambda: with_nan) is None

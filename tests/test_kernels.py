@@ -1,4 +1,4 @@
-"""Tests of the trainer's backward kernels in `jetrl.kernels`: `rms_norm_backward` (dx and dweight of RMSNorm) and
+"""Tests of the trainer's backward kernels in `jetrl.kernels` (`kernels.norm`, `kernels.mlp`, `kernels.head`, ...): `rms_norm_backward` (dx and dweight of RMSNorm) and
 `silu_mul_backward` (d_gate and d_up of the gated MLP's `silu(gate) * up`) against the plain-torch references, and a
 model's gradients with them on and off. The kernels run where Triton runs: on a CUDA GPU, or on the CPU under
 Triton's interpreter
@@ -16,7 +16,7 @@ sums over rows in another order (and each term holds `normed.to(bf16)`, whose ro
 output once from fp32, so it lies within one bf16 ulp of the exact (float64) value; torch's ops round `d_out * up`
 and `silu(gate)` first too, so the two lie within 2^-6 (four half-ulps) of each other.
 
-Triton 3.6's interpreter truncates its fp32 -> bf16 casts (`00b_grad_kernels`), where the GPU rounds to nearest even:
+Triton 3.6's interpreter truncates its fp32 -> bf16 casts (`00k_grad_kernels`), where the GPU rounds to nearest even:
 up to a whole ulp off at every cast. The `gpu_casts` fixture gives the interpreter the GPU's cast, so
 these bounds hold on the CPU as on a GPU."""
 import numpy as np
@@ -25,8 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jetrl.kernels import (INTERPRETING, NORM_BACKWARD_PROGRAMS, _rms_norm_backward_autograd, backward_kernels,
-                           backward_kernels_active, invariant_kernels_available, rms_norm_backward, silu_mul_backward)
+import jetrl.kernels.attention, jetrl.kernels.head, jetrl.kernels.mlp, jetrl.kernels.norm
+from jetrl.kernels import (INTERPRETING, NORM_BACKWARD_PROGRAMS, backward_kernels, backward_kernels_active,
+                           invariant_kernels_available, rms_norm_backward, silu_mul_backward)
+from jetrl.kernels.norm import _rms_norm_backward_autograd
+from jetrl.options import KernelOptions, use_kernel_options
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not invariant_kernels_available(DEVICE),
@@ -222,12 +225,11 @@ def tiny_qwen2_grads(kernels: bool, dtype: torch.dtype, seed: int = 0):
 def test_tiny_qwen2_gradients_same_with_backward_kernels_on_and_off(monkeypatch):
     """fp32: every gradient of the model within fp32 rounding (the kernels sum in another order). On the CPU this runs
     the kernels under the interpreter, in every norm and MLP of the model's backward."""
-    import jetrl.kernels, jetrl.rollout
     calls = []
     def counted(name, module):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or kernel(*a, **k))
-    counted("rms_norm_backward", jetrl.kernels); counted("silu_mul_backward_quantized", jetrl.kernels)   # (without a copy)
+    counted("rms_norm_backward", jetrl.kernels.norm); counted("silu_mul_backward_quantized", jetrl.kernels.mlp)   # (without a copy)
     on = tiny_qwen2_grads(True, torch.float32)
     assert sorted(calls) == ["rms_norm_backward"] * 5 + ["silu_mul_backward_quantized"] * 2   # 2 x 2 layer norms + the final one
     calls.clear()
@@ -243,9 +245,8 @@ def test_tiny_qwen2_gradients_same_with_backward_kernels_on_and_off(monkeypatch)
 # SELECTIVE_GRAD_REL of each element plus SELECTIVE_GRAD_ABS of the row's largest |gradient| (exp's and the order's
 # fp32 differences; the target's element g * (1 - p) cancels where p is near 1); bf16 logits: one bf16 rounding flip
 # at most (DX_ULPS), as for RMSNorm's dx.
-from jetrl.kernels import (VOCAB_BLOCK, _reference_selective_log_softmax, _selective_log_softmax_op, same_bits,
-                           selective_log_softmax)
-import jetrl.kernels
+from jetrl.kernels import VOCAB_BLOCK, same_bits, selective_log_softmax
+from jetrl.kernels.head import _reference_selective_log_softmax, _selective_log_softmax_op
 
 LOGPROB_ABS = 1e-5
 SELECTIVE_GRAD_REL, SELECTIVE_GRAD_ABS = 1e-5, 1e-6
@@ -335,7 +336,8 @@ def test_selective_log_softmax_of_no_rows():
 # ---- the row entropy: softmax_entropy's kernel (prepared, off by default) against the formula in float64 ----
 # The kernel sums in fp32 in another order than torch's formula; H = log s - w / s stays within ENTROPY_ABS of the
 # float64 value for rows of magnitude ~1-10 nats (observed ~1e-6), peaked rows (H ~ 1e-3) included.
-from jetrl.kernels import softmax_entropy, _softmax_entropy_op, _reference_entropy, entropy_from_log_softmax
+from jetrl.kernels import softmax_entropy, entropy_from_log_softmax
+from jetrl.kernels.head import _softmax_entropy_op, _reference_entropy
 
 ENTROPY_ABS = 2e-5
 
@@ -353,8 +355,7 @@ def entropy_inputs(dtype, T):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("T", [1.0, 0.7])
-def test_softmax_entropy_kernel_matches_the_formula(dtype, T, monkeypatch):
-    monkeypatch.setattr(jetrl.kernels, "fused_entropy", True)
+def test_softmax_entropy_kernel_matches_the_formula(dtype, T):
     logits, want = entropy_inputs(dtype, T)
     assert not logits.is_contiguous()
     got = softmax_entropy(logits, T)
@@ -371,11 +372,10 @@ def test_softmax_entropy_kernel_matches_the_formula(dtype, T, monkeypatch):
 
 def test_softmax_entropy_is_torchs_formula_when_off_and_rejects_bad_input(monkeypatch):
     "Off (and wherever Triton does not run): the formula itself; -inf columns give 0, not NaN; bad input: clear errors."
-    assert jetrl.kernels.fused_entropy is True                          # the default: the kernel where Triton runs
-    monkeypatch.setattr(jetrl.kernels, "fused_entropy", False)
+    assert KernelOptions().fused_entropy is True                        # the default: the kernel where Triton runs
     logits, _ = selective_inputs(4, V=300, dtype=torch.float32)
     logits[0, 10:] = float("-inf")
-    got = softmax_entropy(logits, 0.7)
+    with use_kernel_options(KernelOptions(fused_entropy=False)): got = softmax_entropy(logits, 0.7)
     assert torch.equal(got, _reference_entropy(logits, 0.7)) and torch.isfinite(got).all()
     logp_all = torch.log_softmax(logits.float() / 0.7, -1)
     assert torch.equal(got[1:], -(logp_all.exp() * logp_all).sum(-1)[1:])     # finite rows: the former formula's bits
@@ -386,7 +386,7 @@ def test_softmax_entropy_is_torchs_formula_when_off_and_rejects_bad_input(monkey
 @pytest.mark.parametrize("T", [1.0, 0.7])
 def test_selective_log_softmax_falls_back_to_the_torch_formula(T, monkeypatch):
     "Where the kernels do not run: the torch formula itself, the same bits and gradients; int32 targets too."
-    monkeypatch.setattr(jetrl.kernels, "invariant_kernels_available", lambda device: False)
+    monkeypatch.setattr(jetrl.kernels.head, "invariant_kernels_available", lambda device: False)
     logits, targets = selective_inputs(4, V=300)
     leaf, oracle_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     logp = selective_log_softmax(leaf, targets.int(), T)
@@ -449,7 +449,8 @@ def test_fused_head_is_on_by_default_on_a_gpu_only():
 # ---- quantization in the producer: RMSNorm and SiLU-mul write their output's FP8 copy ----
 
 from jetrl.fp8 import quantize_unchecked
-from jetrl.kernels import rms_norm_invariant, rms_norm_quantized, silu_mul, silu_mul_quantized, _reference_rms_norm
+from jetrl.kernels import rms_norm_invariant, rms_norm_quantized, silu_mul, silu_mul_quantized
+from jetrl.kernels.norm import _reference_rms_norm
 
 
 def assert_scales_column_major(x_fp8):
@@ -566,7 +567,7 @@ def test_silu_mul_backward_copies_need_whole_groups():
 
 
 def handover_on_and_off(monkeypatch, switch: str, counted_call: tuple, checkpointing: bool) -> tuple[int, int]:
-    """A 2-layer jet model's forward and backward with the handover `switch` of jetrl.linear on, then off: the gradients
+    """A 2-layer jet model's forward and backward with the handover `switch` (a KernelOptions field) on, then off: the gradients
     must be the same bits; returns the linears' own `_quantize` calls of `counted_call` (operand, gemm) in each run."""
     import jetrl.linear as linear
     from test_memory import make_policy, gradients
@@ -578,9 +579,9 @@ def handover_on_and_off(monkeypatch, switch: str, counted_call: tuple, checkpoin
     monkeypatch.setattr(linear, "_quantize", counted)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(linear, switch, on)
         calls.clear()
-        runs[on] = gradients(make_policy("jet", "bfloat16", checkpointing)), len(calls)
+        with use_kernel_options(KernelOptions(**{switch: on})):
+            runs[on] = gradients(make_policy("jet", "bfloat16", checkpointing)), len(calls)
     assert all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0]))
     return runs[True][1], runs[False][1]
 
@@ -603,7 +604,7 @@ def test_silu_mul_backward_hands_gate_and_up_their_dy(checkpointing, gpu_casts, 
 @pytest.mark.parametrize("as_decode", [False, True])
 def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, as_decode, gpu_casts, monkeypatch):
     """A jet model's forward and backward with the norms and the SiLU-mul quantizing for their FP8 linears give the bits
-    of the linears quantizing themselves (`quantize_in_producers = False`), and the linears' own quantizer runs only for
+    of the linears quantizing themselves (`KernelOptions(quantize_in_producers=False)`), and the linears' own quantizer runs only for
     the inputs no producer of jetrl's makes (attention's output, for o_proj): one call per layer where it ran four.
     This batch's 120 rows counted as decode's (`PRODUCER_MAX_DECODE_ROWS` as it is): the norms leave their inputs to
     the linears, the SiLU-mul still writes the down projection's, three calls per layer."""
@@ -619,7 +620,8 @@ def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, as_
 
 # ---- the rotary embedding in one kernel ----
 
-from jetrl.kernels import rotate_half_kernel, _rotary_torch
+from jetrl.kernels import rotate_half_kernel
+from jetrl.kernels.attention import _rotary_torch
 
 
 @needs_kernels
@@ -631,8 +633,6 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
     q/k/v output (not dense). The kernel's output is torch's ops' bit for bit, signed zeros included (x = +0 with
     cos < 0 and sin > 0), in the strides torch gives; its gradient, by the kernel's backward, is autograd's bit for bit
     (signed zeros too: dy = +0 in one row)."""
-    import jetrl.kernels
-    monkeypatch.setattr(jetrl.kernels, "rotary_kernel", True)
     g = torch.Generator().manual_seed(0)
     b, heads, d = 2, 3, 64
     if layout == "fused-split":                                   # q of a fused q/k/v output: rows strided past q
@@ -645,7 +645,7 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
     angles[0, 0] = 2.0                                            # cos < 0, sin > 0: torch gives -0 + -0 = -0 there
     cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
     x, cos, sin = x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
-    assert jetrl.kernels._rotary_kernel_runs(x, cos, sin)
+    assert jetrl.kernels.attention._rotary_kernel_runs(x, cos, sin)
     y = rotate_half_kernel(x, cos, sin)
     want = _rotary_torch(x, cos, sin)
     assert torch.signbit(want[0, 0, 0, : d // 2]).all()          # the zeros the test is about are there
@@ -658,8 +658,8 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
     out = rotate_half_kernel(a, cos, sin)
     assert type(out.grad_fn).__name__ == "_RotaryFunctionBackward"
     calls = []
-    real_op = jetrl.kernels._rotary_op
-    monkeypatch.setattr(jetrl.kernels, "_rotary_op", lambda *args, **kw: calls.append(kw) or real_op(*args, **kw))
+    real_op = jetrl.kernels.attention._rotary_op
+    monkeypatch.setattr(jetrl.kernels.attention, "_rotary_op", lambda *args, **kw: calls.append(kw) or real_op(*args, **kw))
     out.backward(dy)
     assert calls == [{"backward": True}]                          # the gradient came from the kernel
     _rotary_torch(r, cos, sin).backward(dy)
@@ -673,27 +673,27 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
 
 def test_rotary_kernel_is_on_by_default_and_falls_back():
     "The rotary embedding runs the kernel by default where Triton runs; shapes the kernel does not take run torch's ops."
-    import jetrl.kernels
-    assert jetrl.kernels.rotary_kernel is True
+    assert KernelOptions().rotary_kernel is True
     x, cos, sin = torch.randn(1, 2, 3, 6), torch.randn(1, 3, 6), torch.randn(1, 3, 6)        # d / 2 = 3: no kernel
-    assert not jetrl.kernels._rotary_kernel_runs(x, cos, sin)
+    assert not jetrl.kernels.attention._rotary_kernel_runs(x, cos, sin)
     x, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8, requires_grad=True), torch.randn(1, 3, 8)
-    assert not jetrl.kernels._rotary_kernel_runs(x, cos, sin)     # cos/sin needing a gradient: torch's ops
+    assert not jetrl.kernels.attention._rotary_kernel_runs(x, cos, sin)     # cos/sin needing a gradient: torch's ops
     assert torch.equal(rotate_half_kernel(x, cos, sin), _rotary_torch(x, cos, sin))
 
 
 def test_rotary_kernel_leaves_forward_ad_and_torch_func_to_torchs_ops(monkeypatch):
     "The kernel has no jvp and no vmap rule: dual tensors and torch.func's wrappers take torch's ops."
-    import jetrl.kernels
-    monkeypatch.setattr(jetrl.kernels, "invariant_kernels_available", lambda device: True)   # as on a GPU
+    monkeypatch.setattr(jetrl.kernels.attention, "invariant_kernels_available", lambda device: True)   # as on a GPU
     x, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
-    assert jetrl.kernels._rotary_kernel_runs(x, cos, sin)
+    assert jetrl.kernels.attention._rotary_kernel_runs(x, cos, sin)
+    with use_kernel_options(KernelOptions(rotary_kernel=False)):
+        assert not jetrl.kernels.attention._rotary_kernel_runs(x, cos, sin)    # switched off: torch's ops
     import torch.autograd.forward_ad as fwAD
     with fwAD.dual_level():
         dual = fwAD.make_dual(x, torch.ones_like(x))
-        assert not jetrl.kernels._rotary_kernel_runs(dual, cos, sin)
+        assert not jetrl.kernels.attention._rotary_kernel_runs(dual, cos, sin)
     seen = []
-    torch.func.vmap(lambda row: seen.append(jetrl.kernels._rotary_kernel_runs(row[None], cos, sin)) or row)(x)
+    torch.func.vmap(lambda row: seen.append(jetrl.kernels.attention._rotary_kernel_runs(row[None], cos, sin)) or row)(x)
     assert seen == [False]
 
 

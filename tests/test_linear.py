@@ -309,6 +309,7 @@ def test_pinned_dgrad_bytes_are_rewritten_in_place_not_freed(monkeypatch):
 
 
 from jetrl.kernels import invariant_kernels_available
+from jetrl.options import KernelOptions, use_kernel_options
 from test_kernels import gpu_casts        # noqa: F401 (a fixture: the interpreter given the GPU's FP8 cast)
 
 @pytest.mark.skipif(not invariant_kernels_available("cpu"), reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
@@ -582,8 +583,7 @@ def test_producer_quantizer_only_for_one_1x128_input_quantizer(monkeypatch):
     # at the prefill's and the trainer's many rows the producer (the SiLU-mul passes none: it quantizes at any rows)
     assert producer_quantizer(blockwise, rows=linear.PRODUCER_MAX_DECODE_ROWS) is None
     assert producer_quantizer(blockwise, rows=linear.PRODUCER_MAX_DECODE_ROWS + 1) == RECIPES["blockwise"]
-    monkeypatch.setattr(linear, "quantize_in_producers", False)
-    assert producer_quantizer(blockwise) is None
+    with use_kernel_options(KernelOptions(quantize_in_producers=False)): assert producer_quantizer(blockwise) is None
 
 
 def test_offer_input_fp8_is_used_only_for_that_tensor_unchanged(monkeypatch):

@@ -6,7 +6,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import jetrl.linear as linear
 import jetrl.rollout as rollout
-import jetrl.kernels as kernels
+import jetrl.kernels.mlp as mlp_kernels
 from jetrl.linear import saved_activation_bytes
 from jetrl.policy import Policy, get_strategy, token_log_probs
 
@@ -76,7 +76,7 @@ def test_no_grad_forward_runs_the_models_own_mlp(monkeypatch):
     forwards run `silu_mul`'s one kernel instead of the model's MLP module, without autograd.)"""
     policy, ids = make_policy("bf16", "float32"), batch()[0]
     calls = []
-    monkeypatch.setattr(kernels._SiLUMulFunction, "apply", lambda *a: calls.append(1))
+    monkeypatch.setattr(mlp_kernels._SiLUMulFunction, "apply", lambda *a: calls.append(1))
     with torch.no_grad(): token_log_probs(policy.model, ids)
     assert calls == []
 

@@ -1,10 +1,10 @@
-"""Compile jetrl.grad_kernels' two kernels for Hopper (sm_90) without a GPU, with the ptxas that ships in Triton's wheel,
+"""Compile jetrl.kernels.grad's requantizer (both forms) for Hopper (sm_90) without a GPU, with the ptxas that ships in Triton's wheel,
 and print each launch's registers and spills, and its machine code's instruction count and memory instructions (shared
 and global loads and stores, by width: e.g. `U8x64` is 64 one-byte load instructions in the code). Arguments are specialized as
 Triton's JIT does at the given shape (strides of 1 become constants, multiples of 16 get divisibility hints).
 
     python tools/grad_kernels_sm90.py                    # M=10240 tokens, K=3584, N=18944; every launch of the sweep
-                                                         # (LAUNCH_CANDIDATES, REQUANTIZE_CANDIDATES)
+                                                         # (REQUANTIZE_CANDIDATES)
 """
 import argparse, collections, itertools, os, subprocess, tempfile
 import torch
@@ -12,7 +12,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jetrl import grad_kernels as gk
+from jetrl.kernels import grad as gk
 
 COMPILER_OPTIONS = ("num_warps", "num_stages", "maxnreg")                  # launch keys that go to the compiler
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -70,7 +70,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     forms, formats = args.forms.split(","), args.formats.split(",")
     M, K, N = map(int, args.shape.split("x"))
-    duals, requantizes = gk._quantize_kernels(), gk._requantize_kernels()
+    requantizes = gk.REQUANTIZE_FORMS
     def split(launch: dict, fmt: str):
         "(form, printed name, compiler options, the kernel's constexprs) of a launch."
         launch = dict(launch)
@@ -78,16 +78,6 @@ def main(argv=None):
         options = {k: launch.pop(k) for k in COMPILER_OPTIONS if k in launch}        # the rest are the kernel's constexprs
         return form, f"{form:6} {name:22}", options, dict(gk._fp8_constants(fmt), EXACT_ROUNDING=False, G=gk.KERNEL_BLOCK, **launch)
     # the 1x128 scales are column-major (jetrl.kernels.empty_scales_1x128): a row stride of 1, a column stride of the rows
-    for launch, fmt, hp in itertools.product(gk.LAUNCH_CANDIDATES, formats, [torch.bfloat16, torch.float32]):
-        form, name, options, constants = split(launch, fmt)
-        if form not in forms: continue
-        q = POINTER[fmt]
-        qt, stride_qt = qt_args(form, q, M)
-        print(f"dual       {fmt} dy {str(hp):14} {name}:", ptxas_report(duals[form], dict(
-            x_ptr=(POINTER[hp], 0), q_ptr=(q, 0), scale_ptr=("*fp32", 0), **qt, scale_t_ptr=("*fp32", 0), M=("i32", M),
-            N=("i32", N), stride_x=("i32", N), stride_x_col=("i32", 1), stride_q=("i32", N), stride_scale=("i32", 1),
-            stride_scale_col=("i32", M), **stride_qt, stride_scale_t=("i32", 1), stride_scale_t_col=("i32", N)),
-            constants, options))
     for launch, fmt, hp in itertools.product(gk.REQUANTIZE_CANDIDATES, formats, [torch.bfloat16, torch.float32]):
         form, name, options, constants = split(launch, fmt)
         if form not in forms: continue
