@@ -212,7 +212,7 @@ def main(argv=None):
     p.add_argument("--target", default="24x64x640", help="layers x rows x seq to extrapolate to")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--logprob-chunk", type=int, default=0,
-                   help="positions per chunk of the head's log-softmax (0: jetrl.policy.LOGPROB_CHUNK_TOKENS)")
+                   help="positions per chunk of the head's log-softmax (0: jetrl.logprobs.LOGPROB_CHUNK_TOKENS)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per decoder layer")
     p.add_argument("--no-gpu-graph", action="store_true", help="CPU: the CPU's own graph (fp32-statistics RMSNorm, SDPA)")
     p.add_argument("--no-peak", action="store_true", help="only the table (no MemTracker pass)")
@@ -220,8 +220,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     target = tuple(int(v) for v in args.target.split("x"))
     if args.logprob_chunk:
-        import jetrl.policy
-        jetrl.policy.LOGPROB_CHUNK_TOKENS = args.logprob_chunk
+        import jetrl.logprobs
+        jetrl.logprobs.LOGPROB_CHUNK_TOKENS = args.logprob_chunk
     emulate = args.device == "cpu" and not args.no_gpu_graph
     command = "python benchmarks/activation_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for strategy in args.strategies.split(","):

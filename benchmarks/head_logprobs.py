@@ -1,6 +1,6 @@
 """Time the head's per-token log-probs on a GPU: `jetrl.kernels.selective_log_softmax` (one pass forward, one
 backward) against the trainer's torch ops (`temperature_log_softmax(logits, T).gather(-1, targets)`, as
-`jetrl.policy._head_log_probs` runs them per chunk), and check that the two agree.
+`jetrl.logprobs._head_log_probs` runs them per chunk), and check that the two agree.
 
     python benchmarks/head_logprobs.py                                   # one chunk: 4096 tokens x 151,936, bf16
     python benchmarks/head_logprobs.py --temperature 0.7 --out benchmarks/results/head_logprobs_h200.jsonl

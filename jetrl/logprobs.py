@@ -222,8 +222,7 @@ class GraphedLogProbs:
     Where the forward is row-invariant (jet on a GPU, or `exact`) the padded log-probs are eager's bits; elsewhere
     (bf16's cuBLAS GEMMs see other row counts) they may differ in the last bits, as another micro-batch size would.
     The gradients are eager's at the padded width; under an FP8 recipe they differ from an unpadded call's at FP8's
-    noise (Wgrad quantizes 128 tokens per group along the flattened batch, and the padding moves the groups' edges:
-    3.4e-2 relative, measured at 4 layers of the 0.5B shape).
+    noise (Wgrad quantizes 128 tokens per group along the flattened batch, and the padding moves the groups' edges).
     A capture with grad must not meet a live autograd graph of an eager call of the model (a loss or log-probs not yet
     freed or detached): its parameters' gradient accumulators remember the default stream, and a capture cannot wait
     on that stream. Where torch has `set_override_stale_capture_stream` (2.12 and later) the capture redirects them
@@ -249,7 +248,7 @@ class GraphedLogProbs:
         self._fp8 = [m for m in fp8_modules(model).values() if m.recipe.is_fp8("fprop")]
         self._params = [p for p in model.parameters() if p.requires_grad]
         # where each parameter and buffer sits (its module's dict and name), read again at every call: a tensor assigned
-        # anew shows there (the engine's walk over the modules took 8.5 ms a call on the CPU at the 0.5B shape; this 1.4)
+        # anew shows there, a cheaper read than a walk over the modules
         self._slots = [(d, name) for m in model.modules() for d in (m._parameters, m._buffers) for name in d]
         self._read = None                                    # the addresses the captures read (`_addresses`)
 
@@ -283,7 +282,7 @@ class GraphedLogProbs:
             w_fp8, _ = m._current_fp8_weight()
             # Dgrad's transposed bytes, one buffer per weight that a capture's backward read (pinned by its warm-up,
             # `pinning_dgrad_bytes`), rewritten here after an update: the backward graphs read it, instead of each
-            # replay copying every weight again (measured at 0.5B: 7 FP8 copies a layer)
+            # replay copying every weight again
             if grad and self._pinned_dgrad_copy(w_fp8): pin_dgrad_bytes(w_fp8)
 
     def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool, temperature: float,

@@ -451,7 +451,10 @@ def launched_by_torchrun() -> bool:
 class OneProcess:
     """The processes a GRPO step runs in, as the step sees them: here one, whose collectives return their input.
     `jetrl.distributed.World` is the same interface over the ranks of a torchrun launch."""
-    rank, size, is_main = 0, 1, True
+    def __init__(self): self.rank, self.size = 0, 1
+
+    @property
+    def is_main(self) -> bool: return self.rank == 0
 
     def sum(self, values) -> torch.Tensor:
         "Element-wise sum over processes of a float or a list of floats: a float64 tensor on the CPU."
