@@ -109,6 +109,7 @@ def read_checkpoint_meta(directory: "str | Path") -> dict:
                               "use the jetrl version that wrote it.")
     return meta
 
+# %% ../nbs/04e_checkpoints.ipynb #cd13a7a4
 def _check_safetensors(path: Path, expected: dict[str, torch.Tensor] | None = None):
     """Raise a CheckpointError naming `path` if it is missing, damaged (header, size) or, given `expected` tensors,
     holds other names or shapes. Reads only the header: cheap, and done before anything is loaded."""

@@ -61,6 +61,7 @@ def is_collective_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and
                                                    any(s in str(error).lower() for s in _COLLECTIVE_FAILURES))
 
+# %% ../nbs/08a_distributed.ipynb #040948fe
 @dataclass
 class World(OneProcess):
     """This process's place among the ranks of a torchrun launch: the few collectives the GRPO step uses (all on CPU
@@ -118,6 +119,7 @@ class World(OneProcess):
         return {"dist/world_size": self.size, "dist/backend": self.backend, "sync/format": self.sync_format,
                 "sync/layer_bytes": sync.layer_bytes}
 
+# %% ../nbs/08a_distributed.ipynb #e50c21eb
 def init_world(timeout_s: float | None = None, sync_format: str = "fp8") -> World:
     "Join the process group of this torchrun launch (once; later calls reuse it)."
     if not launched_by_torchrun():
@@ -179,6 +181,7 @@ def _forget_after_updates(model: nn.Module):
 def _holding_parameters(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
 
+# %% ../nbs/08a_distributed.ipynb #cc4b5529
 def shard_model(model: nn.Module, world: World) -> nn.Module:
     """FSDP2 over the world: each decoder layer a unit, the rest in the root; gradients summed over ranks. With one
     rank there is nothing to shard: the gathered weights stay between forward and backward, and the gradients of
@@ -272,6 +275,7 @@ def gather_fp8_weight(hp_shard: torch.Tensor, recipe: FP8Recipe, world: World) -
     data = gathered[:N].view(part.data.dtype)
     return FP8Tensor(data, part.scale, part.block, part.fmt), _bytes(gathered) + _bytes(part.scale)
 
+# %% ../nbs/08a_distributed.ipynb #8e7fbf6a
 def sync_rollout_weights(policy: Policy, world: World, sync_format: str = "fp8") -> DistributedSyncReport:
     """Bring every rank's rollout copy up to date with the sharded training weights. FP8 layers: quantized by the
     owning shard and gathered as FP8 ('fp8'), or gathered in high precision and quantized after ('hp')."""
@@ -304,6 +308,7 @@ def sync_rollout_weights(policy: Policy, world: World, sync_format: str = "fp8")
                                              sync_format, layer_bytes)
     return policy.last_sync
 
+# %% ../nbs/08a_distributed.ipynb #8a1793d4
 def rollout_matches_trainer(policy: Policy) -> int:
     """Check that each FP8 layer of this rank's rollout copy holds the bytes and scales the trainer's forward uses
     (`quantize_weight` of the gathered weight); returns how many layers were compared, raises on a difference."""
@@ -417,6 +422,7 @@ def _plan_distributed_run(out_dir: Path, config: TrainConfig, resume: bool, rewa
     if plan.start_step > 0: check_checkpoint_launch(out_dir / CHECKPOINT_DIR, under_torchrun=True)
     return plan
 
+# %% ../nbs/08a_distributed.ipynb #5b0af3ca
 def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Path | None" = None, resume: bool = False,
                           policy: Policy | None = None, dataset=None, reward_funcs=None) -> Run:
     "Set up this rank's part of a run: task and rewards, seeds, policy (sharded) and rollout copy, optimizer, folder, resume."

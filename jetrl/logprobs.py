@@ -155,6 +155,7 @@ def _held_by_eager_graphs(model: nn.Module) -> list[str]:
         if node.metadata.pop("jetrl_probe", False) and not node.metadata.get("jetrl_captured"): held.append(name)
     return held
 
+# %% ../nbs/04b_logprobs.ipynb #fc3b9aab
 def _padded_right(t: torch.Tensor, width: int) -> torch.Tensor:
     "(B, T) -> (B, width): zeros after the last column (masked-out padding tokens)."
     return t if t.shape[1] == width else torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)

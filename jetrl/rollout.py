@@ -301,6 +301,7 @@ def _retire_stopped(tokenizer, out_ids, slot_row, live, step, stops, stopped: se
         if alive and any(s in tokenizer.decode(recent[row], skip_special_tokens=True) for s in stops):
             live[slot] = False; stopped.add(row)
 
+# %% ../nbs/05_rollout.ipynb #02988150
 def _decode(decoder, logits: torch.Tensor, params: SamplingParams, rows: int, device, eos_ids: list[int], pad_id: int,
             tokenizer, generator: torch.Generator | None, stream_keys: torch.Tensor | None, progress: bool) -> tuple:
     """Sample, record and step the live rows until each has finished: (ids (rows, new), log-probs (rows, new) fp32,

@@ -168,6 +168,7 @@ def write_atomically(path: Path, text: str):
     with open(tmp, "w") as f: f.write(text); f.flush(); os.fsync(f.fileno())
     os.replace(tmp, path)
 
+# %% ../nbs/08_train.ipynb #90c5415c
 def read_log(path: Path) -> tuple[dict, list[tuple[dict, str]], list[str]]:
     """A metrics.jsonl as (header, [(step record, its line)], unreadable lines). A ValueError names the file when it
     is empty or its first line is not a jetrl header."""
@@ -226,6 +227,7 @@ def _check_writable(out_dir: Path):
     except OSError as e:
         raise ValueError(f"cannot write to the output folder {out_dir} ({e.strerror or e}): choose a folder you can write to.") from None
 
+# %% ../nbs/08_train.ipynb #a2d7c4ad
 def plan_run_folder(out_dir: Path, config: TrainConfig, resume: bool, rewards: list[dict] | None = None) -> RunFolderPlan:
     """Check the output folder and decide where the run starts. A folder holding a run is refused without `resume`;
     with it, the run must have the same config and reward functions (`rewards`: `reward_record`), and continues
@@ -277,6 +279,7 @@ def plan_run_folder(out_dir: Path, config: TrainConfig, resume: bool, rewards: l
         plan.rewrite = True
     return plan
 
+# %% ../nbs/08_train.ipynb #d8a1f7e2
 def open_run_log(out_dir: Path, config: TrainConfig, plan: RunFolderPlan, rewards: list[dict] | None = None,
                  header_extra: dict | None = None) -> list[dict]:
     """Carry out `plan` (after the checkpoint loaded): write or repair metrics.jsonl; returns the steps already logged.
@@ -338,6 +341,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for i, entries in fp32.items():
             for key, value in entries.items(): self.state[params[i]][key] = value.to(params[i].device, torch.float32)
 
+# %% ../nbs/08_train.ipynb #16211ce7
 def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     "PyTorch's AdamW for fp32 weights; `MasterWeightAdamW` as soon as one weight is in a lower precision."
     params = list(params)
@@ -378,6 +382,7 @@ def _lr_lambda(config: TrainConfig) -> Callable[[int], float]:
         return 1.0
     return factor
 
+# %% ../nbs/08_train.ipynb #4273abc9
 def resolve_strategy(config: TrainConfig, policy: Policy | None = None) -> tuple[TrainConfig, PrecisionSpec]:
     """The run's precision spec (the config's strategy, or the given policy's, which must agree with the config) and the
     config with what the strategy turns on (TIS for `fp8-rollout-tis`)."""
@@ -395,6 +400,7 @@ def resolve_strategy(config: TrainConfig, policy: Policy | None = None) -> tuple
                                               rollout_importance_sampling_clip_max=spec.tis_cap))
     return config, spec
 
+# %% ../nbs/08_train.ipynb #9d77add9
 def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False, policy: Policy | None = None,
               dataset=None, reward_funcs=None) -> Run:
     "Set up a run: task and rewards (checked first), seeds, policy, engine, optimizer, output folder (and resume)."
@@ -435,6 +441,7 @@ def rollout_engine(policy: Policy, backend: str = "jetrl"):
     if backend == "vllm": return VLLMEngine(policy)
     return RolloutEngine(policy)
 
+# %% ../nbs/08_train.ipynb #d00719a6
 def row_streams(engine, first_row: int = 0) -> dict:
     "generate()'s per-row random streams (jetrl's engine): a row samples the same tokens on any rank (08a)."
     return {"first_row": first_row} if isinstance(engine, RolloutEngine) else {}
@@ -479,6 +486,7 @@ class OneProcess:
         "What a step's metrics add about the processes: nothing for one."
         return {}
 
+# %% ../nbs/08_train.ipynb #9e673bd6
 def check_divisible(prompts_per_step: int, world_size: int):
     "A clear error when the step's prompts cannot be split into equal blocks of whole groups."
     if prompts_per_step % world_size == 0: return
@@ -524,6 +532,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     with use_kernel_options(run.policy.kernel_options): return _optimize(run, rollout, old_logp, advantages, entropy, step, totals,
                                                                          world or OneProcess())
 
+# %% ../nbs/08_train.ipynb #933f0c66
 def _optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor | None,
               step: int, totals: tuple | None, world: "OneProcess") -> dict:
     config, grpo, policy, P = run.config, run.config.grpo, run.policy, rollout.prompt_ids.shape[1]
@@ -653,6 +662,7 @@ def token_samples(rollout: Rollout, train_logp: torch.Tensor, rewards: list[floa
                         "train_logp": train_logp[i, :n].tolist(), "rollout_logp": rollout.logprobs[i, :n].tolist()})
     return samples
 
+# %% ../nbs/08_train.ipynb #e3810890
 def save_step(run: Run, step: int, metrics: dict):
     """Append the step's metrics (one synced write); checkpoint every `save_every` steps and at the last step, with a
     copy of the step's line (a resume restores the line from it if the log lost it)."""
