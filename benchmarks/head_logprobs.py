@@ -1,6 +1,6 @@
 """Time the head's per-token log-probs on a GPU: `jetrl.kernels.selective_log_softmax` (one pass forward, one
-backward) against the trainer's torch ops (`temperature_log_softmax(logits, T).gather(-1, targets)`), and check that
-the two agree.
+backward) against the trainer's torch ops (`temperature_log_softmax(logits, T).gather(-1, targets)`, as
+`jetrl.logprobs._head_log_probs` runs them per chunk), and check that the two agree.
 
     python -m benchmarks head_logprobs                      # one chunk: 4096 tokens x 151,936, bf16
     python -m benchmarks head_logprobs --temperature 0.7 --out benchmarks/results/head_logprobs_h200.jsonl

@@ -11,9 +11,9 @@ __all__ = ['REPORT_PANELS', 'report_figure', 'summary', 'write_report', 'config_
 import argparse, os, re, sys, warnings
 from pathlib import Path
 from .grpo import GRPOConfig, LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
-from .policy import STRATEGIES, HP_DTYPES
+from .strategies import STRATEGIES, HP_DTYPES
 from .train import TrainConfig, ROLLOUT_BACKENDS, RunFolderWarning, train, read_metrics
-from .distributed import RankLostError
+from .distributed import RankLostError, launched_by_torchrun, train_distributed
 
 # %% ../nbs/09_cli.ipynb #9493b3b5
 REPORT_PANELS = [("reward", "reward"), ("accuracy", "accuracy"), ("mismatch/kl_k3", "mismatch KL (k3)"),
@@ -144,18 +144,22 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         return _run(args)
 
+def _train(*args, **kwargs):
+    "train() in one process; under torchrun, train_distributed() on every rank (08a)."
+    return (train_distributed if launched_by_torchrun() else train)(*args, **kwargs)
+
 def _run(args) -> int:
     "The command itself: every error a user can cause ends as one `jetrl: error:` line and exit status 2."
     try:
         if args.command == "train":
-            train(config_from_args(args, args.strategy), args.out, resume=args.resume, progress=True, **_data_args(args))
+            _train(config_from_args(args, args.strategy), args.out, resume=args.resume, progress=True, **_data_args(args))
             if _is_main_process(): print(summary({args.strategy: read_metrics(args.out)[1]}))
             return 0
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         unknown = [s for s in strategies if s not in STRATEGIES]
         if unknown or not strategies: raise ValueError(f"Unknown strategies {unknown}: choose from {sorted(STRATEGIES)}.")
         for strategy in strategies:
-            train(config_from_args(args, strategy), Path(args.out) / strategy, resume=args.resume, progress=True, **_data_args(args))
+            _train(config_from_args(args, strategy), Path(args.out) / strategy, resume=args.resume, progress=True, **_data_args(args))
         if not _is_main_process(): return 0
         report = write_report(args.out, strategies)
         print(summary({s: read_metrics(Path(args.out) / s)[1] for s in strategies}))

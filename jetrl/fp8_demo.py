@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from .fp8 import quantize_unchecked, fp8_mm, sqnr
 from .linear import get_recipe, quantize_weight
+from .models import load_smollm2
 
 # %% ../nbs/02a_fp8_demo.ipynb #5bfd4786
 def capture_linear_inputs(model: nn.Module, input_ids: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
@@ -57,7 +58,6 @@ def main(argv=None):
     p.add_argument("--layers", default="0,15,29", help="comma-separated decoder layer indices")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     args = p.parse_args(argv)
-    from jetrl.models import load_smollm2
     start = time.perf_counter()
     model, tokenizer = load_smollm2()
     ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,

@@ -7,10 +7,11 @@ Docs: https://jetrl.github.io/jetrl/train.html.md"""
 # %% auto #0
 __all__ = ['ROLLOUT_BACKENDS', 'STARTER_KNOBS', 'METRICS_FILE', 'CHECKPOINT_DIR', 'SUPERSEDED_FILE', 'RESUME_FREE_FIELDS',
            'TrainConfig', 'make_task', 'task_and_rewards', 'reward_record', 'RunFolderWarning', 'append_line',
-           'write_atomically', 'read_log', 'RunFolderPlan', 'plan_run_folder', 'open_run_log', 'MasterWeightAdamW',
-           'make_optimizer', 'Run', 'resolve_strategy', 'start_run', 'rollout_engine', 'row_streams', 'completion_ids',
-           'contributing_mask', 'trainer_log_probs', 'optimize', 'train', 'step_metrics', 'token_samples', 'save_step',
-           'read_metrics']
+           'write_atomically', 'read_log', 'logged_config', 'RunFolderPlan', 'plan_run_folder', 'open_run_log',
+           'MasterWeightAdamW', 'make_optimizer', 'Run', 'resolve_strategy', 'start_run', 'rollout_engine',
+           'row_streams', 'launched_by_torchrun', 'OneProcess', 'check_divisible', 'rank_block', 'completion_ids',
+           'contributing_mask', 'trainer_log_probs', 'optimize', 'grpo_step', 'train', 'step_metrics', 'token_samples',
+           'save_step', 'read_metrics']
 
 # %% ../nbs/08_train.ipynb #710b095e
 import copy, json, math, os, random, time, warnings
@@ -18,11 +19,18 @@ from dataclasses import dataclass, asdict, field, fields, replace
 from pathlib import Path
 from typing import Callable
 import torch
+from torch.distributed.tensor import DTensor
+import jetrl
+from .options import KernelOptions, use_kernel_options
 from .grpo import GRPOConfig, group_advantages, grpo_loss, high_entropy_mask
 from .mismatch import mismatch_metrics, mismatch_by_position, kl_to_prev_policy, ratio_stats
-from .policy import (Policy, PrecisionSpec, HP_DTYPES, get_strategy, load_model_and_tokenizer, save_checkpoint, load_checkpoint,
-                          token_log_probs, recover_checkpoint, read_checkpoint_meta, GraphedLogProbs)
-from .rollout import RolloutEngine, SamplingParams, Rollout, recompute_log_probs, micro_batches
+from .strategies import PrecisionSpec, HP_DTYPES, get_strategy
+from .logprobs import token_log_probs, recompute_log_probs, micro_batches, GraphedLogProbs
+from .sampling import SamplingParams, Rollout
+from .policy import Policy, SyncReport, load_model_and_tokenizer
+from .checkpoints import save_checkpoint, load_checkpoint, recover_checkpoint, read_checkpoint_meta, check_checkpoint_launch
+from .rollout import RolloutEngine
+from .vllm_backend import VLLMEngine
 from .tasks import Task, RewardSet, combine_rewards, get_task
 from .data import (DatasetTask, SEED_STRIDE, check_reward_function, check_task, dataset_rows, describe_task,
                         load_reward_function, reward_arguments, reward_name, step_rows)
@@ -57,6 +65,7 @@ class TrainConfig:
     hp_dtype: str | None = None                # high precision of both sides; None: the strategy's (bf16 on GPU, fp32 on CPU)
     exact: bool = False                        # GPU: batch-invariant kernels everywhere, rollout log-probs == trainer's bit for bit
     cuda_graphs: bool = False                  # GPU: the trainer's log-probs and backward replayed from CUDA graphs (GraphedLogProbs)
+    kernels: KernelOptions = KernelOptions()   # the kernels the policy built by train() runs (jetrl.options); logged as a dict
 
     def __post_init__(self):
         finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)             # refuses NaN and +-inf
@@ -74,6 +83,7 @@ class TrainConfig:
                   (self.micro_batch_size >= 0, "micro_batch_size must be >= 0"), (self.save_every >= 1, "save_every must be >= 1"),
                   (self.backend in ROLLOUT_BACKENDS, f"backend must be one of {ROLLOUT_BACKENDS}"),
                   (self.hp_dtype in (None, *HP_DTYPES), f"hp_dtype must be None or one of {sorted(HP_DTYPES)}"),
+                  (isinstance(self.kernels, KernelOptions), f"kernels must be a jetrl.options.KernelOptions, got {type(self.kernels).__name__}"),
                   (isinstance(self.task, (str, Task)), f"task must be a registered task name or a jetrl.tasks.Task, got {self.task!r:.60}"),
                   (isinstance(self.task, str) or self.task_knobs is None, "task_knobs are knobs of a registered task name; a Task object carries its own"),
                   (self.rows_per_step % self.grpo.steps_per_generation == 0,
@@ -86,7 +96,8 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         "JSON-ready: a Task object is logged as its class and knobs, a dataset as its size, columns and fingerprint."
-        d = {f.name: getattr(self, f.name) for f in fields(self)} | {"grpo": asdict(self.grpo), "task": describe_task(self.task)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)} | {"grpo": asdict(self.grpo), "task": describe_task(self.task),
+                                                                   "kernels": self.kernels.as_dict()}
         d["task_knobs"] = None if self.task_knobs is None else dict(self.task_knobs)
         return d
 
@@ -95,6 +106,7 @@ class TrainConfig:
         if not isinstance(d["task"], str):
             raise ValueError(f"the run's task is {d['task'].get('name')!r}, not a registered name: a Task object or a dataset is passed again, not rebuilt")
         d = dict(d); d["grpo"] = GRPOConfig(**d["grpo"])
+        if "kernels" in d: d["kernels"] = KernelOptions.from_dict(d["kernels"])     # a config logged without them: the defaults
         d["task_knobs"] = None if d.get("task_knobs") is None else tuple(sorted(d["task_knobs"].items()))
         return cls(**d)
 
@@ -156,6 +168,7 @@ def write_atomically(path: Path, text: str):
     with open(tmp, "w") as f: f.write(text); f.flush(); os.fsync(f.fileno())
     os.replace(tmp, path)
 
+# %% ../nbs/08_train.ipynb #90c5415c
 def read_log(path: Path) -> tuple[dict, list[tuple[dict, str]], list[str]]:
     """A metrics.jsonl as (header, [(step record, its line)], unreadable lines). A ValueError names the file when it
     is empty or its first line is not a jetrl header."""
@@ -176,6 +189,10 @@ def read_log(path: Path) -> tuple[dict, list[tuple[dict, str]], list[str]]:
         if isinstance(record, dict) and isinstance(record.get("step"), int): steps.append((record, line))
         else: unreadable.append(line)
     return header, steps, unreadable
+
+def logged_config(header: dict) -> dict:
+    "A log header's config, with the kernel options a run logged without them ran: the defaults."
+    return {"kernels": KernelOptions().as_dict()} | header["config"]
 
 RESUME_FREE_FIELDS = ("cuda_graphs",)   # how fast a step runs, not what it computes: a resume may change them (or meet a
                                         # run logged before they existed)
@@ -210,6 +227,7 @@ def _check_writable(out_dir: Path):
     except OSError as e:
         raise ValueError(f"cannot write to the output folder {out_dir} ({e.strerror or e}): choose a folder you can write to.") from None
 
+# %% ../nbs/08_train.ipynb #a2d7c4ad
 def plan_run_folder(out_dir: Path, config: TrainConfig, resume: bool, rewards: list[dict] | None = None) -> RunFolderPlan:
     """Check the output folder and decide where the run starts. A folder holding a run is refused without `resume`;
     with it, the run must have the same config and reward functions (`rewards`: `reward_record`), and continues
@@ -228,7 +246,7 @@ def plan_run_folder(out_dir: Path, config: TrainConfig, resume: bool, rewards: l
                              "put it back to resume, or start the run in another folder.")
         return RunFolderPlan(0, notes=[f"resume: {out_dir} holds no run (no {METRICS_FILE}, no checkpoint); starting a new run there."])
     header, steps, unreadable = read_log(metrics)
-    run_config = header["config"] | {"reward_funcs": header.get("reward_funcs")}
+    run_config = logged_config(header) | {"reward_funcs": header.get("reward_funcs")}
     now = json.loads(json.dumps(config.to_dict() | {"reward_funcs": rewards}))
     free = lambda d: {k: v for k, v in d.items() if k not in RESUME_FREE_FIELDS}
     differences = _differences(free(run_config), free(now))
@@ -261,6 +279,7 @@ def plan_run_folder(out_dir: Path, config: TrainConfig, resume: bool, rewards: l
         plan.rewrite = True
     return plan
 
+# %% ../nbs/08_train.ipynb #d8a1f7e2
 def open_run_log(out_dir: Path, config: TrainConfig, plan: RunFolderPlan, rewards: list[dict] | None = None,
                  header_extra: dict | None = None) -> list[dict]:
     """Carry out `plan` (after the checkpoint loaded): write or repair metrics.jsonl; returns the steps already logged.
@@ -322,6 +341,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for i, entries in fp32.items():
             for key, value in entries.items(): self.state[params[i]][key] = value.to(params[i].device, torch.float32)
 
+# %% ../nbs/08_train.ipynb #16211ce7
 def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     "PyTorch's AdamW for fp32 weights; `MasterWeightAdamW` as soon as one weight is in a lower precision."
     params = list(params)
@@ -362,6 +382,7 @@ def _lr_lambda(config: TrainConfig) -> Callable[[int], float]:
         return 1.0
     return factor
 
+# %% ../nbs/08_train.ipynb #4273abc9
 def resolve_strategy(config: TrainConfig, policy: Policy | None = None) -> tuple[TrainConfig, PrecisionSpec]:
     """The run's precision spec (the config's strategy, or the given policy's, which must agree with the config) and the
     config with what the strategy turns on (TIS for `fp8-rollout-tis`)."""
@@ -369,6 +390,9 @@ def resolve_strategy(config: TrainConfig, policy: Policy | None = None) -> tuple
     if config.hp_dtype is not None and policy is None: spec = replace(spec, hp_dtype=config.hp_dtype)
     if config.hp_dtype is not None and policy is not None and policy.dtype != HP_DTYPES[config.hp_dtype]:
         raise ValueError(f"config.hp_dtype is {config.hp_dtype!r} but the policy computes in {policy.dtype}: make them agree.")
+    if policy is not None and policy.kernel_options != config.kernels:
+        raise ValueError(f"config.kernels is {config.kernels.changed() or 'the defaults'} but the policy runs "
+                         f"{policy.kernel_options.changed() or 'the defaults'}: make them agree.")
     if spec.name != config.strategy:
         raise ValueError(f"config.strategy is {config.strategy!r} but the policy was built with {spec.name!r}: make them agree.")
     if spec.tis_cap is not None and config.grpo.rollout_importance_sampling_mode is None:   # the strategy turns TIS on
@@ -376,6 +400,7 @@ def resolve_strategy(config: TrainConfig, policy: Policy | None = None) -> tuple
                                               rollout_importance_sampling_clip_max=spec.tis_cap))
     return config, spec
 
+# %% ../nbs/08_train.ipynb #9d77add9
 def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False, policy: Policy | None = None,
               dataset=None, reward_funcs=None) -> Run:
     "Set up a run: task and rewards (checked first), seeds, policy, engine, optimizer, output folder (and resume)."
@@ -389,12 +414,12 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
     plan = plan_run_folder(out_dir, config, resume, reward_record(rewards)) if out_dir is not None else RunFolderPlan(0)
     start_step = plan.start_step
     if start_step > 0:                                                    # a torchrun run's checkpoint needs torchrun (08a)
-        from jetrl.distributed import check_checkpoint_launch
         check_checkpoint_launch(out_dir / CHECKPOINT_DIR, under_torchrun=False)
     random.seed(config.seed); torch.manual_seed(config.seed)
     if policy is None:
         model, tokenizer = load_model_and_tokenizer(config.model)
-        policy = Policy(model, tokenizer, spec, device="cuda" if torch.cuda.is_available() else "cpu", exact=config.exact)
+        policy = Policy(model, tokenizer, spec, device="cuda" if torch.cuda.is_available() else "cpu", exact=config.exact,
+                        kernel_options=config.kernels)
     log_probs = GraphedLogProbs(policy.model) if config.cuda_graphs else None     # refuses a CPU model, with the fix
     optimizer = make_optimizer(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
@@ -413,18 +438,69 @@ def start_run(config: TrainConfig, out_dir: "str | Path | None" = None, resume: 
 
 def rollout_engine(policy: Policy, backend: str = "jetrl"):
     "The run's rollout engine: jetrl's embedded one, or vLLM holding the policy's own rollout weights (`jetrl.vllm_backend`)."
-    if backend == "vllm":
-        from jetrl.vllm_backend import VLLMEngine
-        return VLLMEngine(policy)
+    if backend == "vllm": return VLLMEngine(policy)
     return RolloutEngine(policy)
 
+# %% ../nbs/08_train.ipynb #d00719a6
 def row_streams(engine, first_row: int = 0) -> dict:
     "generate()'s per-row random streams (jetrl's engine): a row samples the same tokens on any rank (08a)."
     return {"first_row": first_row} if isinstance(engine, RolloutEngine) else {}
 
 def _versions() -> dict:
-    import jetrl, transformers
+    import transformers                                                    # imported where needed: its import is slow
     return {"jetrl": jetrl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+# %% ../nbs/08_train.ipynb #5b23fb26
+def launched_by_torchrun() -> bool:
+    "Whether this process is one rank of a `torchrun` launch (or of any launcher that sets the same variables)."
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+class OneProcess:
+    """The processes a GRPO step runs in, as the step sees them: here one, whose collectives return their input.
+    `jetrl.distributed.World` is the same interface over the ranks of a torchrun launch."""
+    def __init__(self): self.rank, self.size = 0, 1
+
+    @property
+    def is_main(self) -> bool: return self.rank == 0
+
+    def sum(self, values) -> torch.Tensor:
+        "Element-wise sum over processes of a float or a list of floats: a float64 tensor on the CPU."
+        return torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+
+    def all_gather_floats(self, values: list[float]) -> list[float]: return list(values)
+    def gather_to_main(self, obj) -> list | None: return [obj]
+    def broadcast_from_main(self, obj): return obj
+    def barrier(self): pass
+
+    def before_backward(self, model: torch.nn.Module, last_micro_batch: bool):
+        "Called by `optimize` before each micro-batch's backward: one process has nothing to reduce."
+
+    def reduce_loss_stats(self, stats: dict) -> dict: return stats
+    def sync_weights(self, policy: Policy) -> SyncReport: return policy.sync_weights()
+
+    def whole_batch(self, run: "Run", rollout: Rollout, scores, old_logp, new_logp, entropy) -> tuple | None:
+        "The whole step's (rollout, scores, old_logp, new_logp, entropy) where metrics are computed (None elsewhere)."
+        return rollout, scores, old_logp, new_logp, entropy
+
+    def step_record(self, sync: SyncReport) -> dict:
+        "What a step's metrics add about the processes: nothing for one."
+        return {}
+
+# %% ../nbs/08_train.ipynb #9e673bd6
+def check_divisible(prompts_per_step: int, world_size: int):
+    "A clear error when the step's prompts cannot be split into equal blocks of whole groups."
+    if prompts_per_step % world_size == 0: return
+    below, above = prompts_per_step - prompts_per_step % world_size, prompts_per_step + (-prompts_per_step) % world_size
+    sizes = [n for n in range(1, prompts_per_step + 1) if prompts_per_step % n == 0]
+    raise ValueError(f"prompts_per_step={prompts_per_step} does not split among {world_size} processes: each rank takes "
+                     f"whole GRPO groups (a prompt with all its completions), the same number each. Use --prompts-per-step "
+                     f"{below or above} or {above}, or start {', '.join(map(str, sizes))} process(es).")
+
+def rank_block(items: list, world: OneProcess) -> tuple[list, int]:
+    "This process's contiguous block of `items` (the step's prompts) and the index of its first item."
+    check_divisible(len(items), world.size)
+    per_rank = len(items) // world.size
+    return items[world.rank * per_rank:(world.rank + 1) * per_rank], world.rank * per_rank
 
 # %% ../nbs/08_train.ipynb #bc69e108
 def completion_ids(rollout: Rollout) -> list[list[int]]:
@@ -441,15 +517,24 @@ def contributing_mask(rollout: Rollout, grpo: GRPOConfig) -> torch.Tensor:
 
 def trainer_log_probs(policy: Policy, rollout: Rollout, temperature: float, micro_batch_size: int = 0,
                       with_entropy: bool = False, log_probs: Callable | None = None):
-    "The training side's log-probs of the completion tokens, no grad: (B, C) (and the entropy). `log_probs`: Run.log_probs."
-    with torch.no_grad():
+    """The training side's log-probs of the completion tokens, no grad, under the policy's kernel options: (B, C) (and the
+    entropy). `log_probs`: Run.log_probs."""
+    with torch.no_grad(), use_kernel_options(policy.kernel_options):
         return recompute_log_probs(policy.model, rollout, temperature, micro_batch_size, with_entropy, log_probs)
 
 def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor | None = None,
-             step: int = 0, totals: tuple | None = None) -> dict:
+             step: int = 0, totals: tuple | None = None, world: "OneProcess | None" = None) -> dict:
     """`num_iterations` passes over the batch, each of `steps_per_generation` optimizer steps on its share of the rows
     (shuffled, seeded by the step): GRPO loss, backward accumulated over micro-batches, clip, step. Returns loss statistics.
-    `totals`: (tokens that count, rows) of the whole batch when `rollout` is one rank's part of it (08a)."""
+    `totals`: (tokens that count, rows) of the whole batch when `rollout` is one rank's part of it; `world`: the processes
+    the step runs in, told before each micro-batch's backward whether it is the last (`OneProcess.before_backward`).
+    Forward and backward run under the policy's kernel options."""
+    with use_kernel_options(run.policy.kernel_options): return _optimize(run, rollout, old_logp, advantages, entropy, step, totals,
+                                                                         world or OneProcess())
+
+# %% ../nbs/08_train.ipynb #933f0c66
+def _optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor | None,
+              step: int, totals: tuple | None, world: "OneProcess") -> dict:
     config, grpo, policy, P = run.config, run.config.grpo, run.policy, rollout.prompt_ids.shape[1]
     forward = run.log_probs or (lambda *args: token_log_probs(policy.model, *args))
     mask = contributing_mask(rollout, grpo)                                               # (B, C)
@@ -467,7 +552,7 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
             loss_sum = 0.0
             parts = micro_batches(len(share), config.micro_batch_size)
             for i, part in enumerate(parts):
-                if hasattr(policy.model, "fsdp_before_backward"): policy.model.fsdp_before_backward(i == len(parts) - 1)   # 08a
+                world.before_backward(policy.model, i == len(parts) - 1)
                 rows = share[part]
                 ids, attention = rollout.input_ids[rows], rollout.attention_mask[rows]
                 logp = forward(ids, attention, config.temperature)[:, P - 1:]
@@ -486,35 +571,51 @@ def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: tor
     if grpo.num_iterations > 1 or grpo.steps_per_generation > 1:                         # later steps reuse the batch off-policy
         stats |= ratio_stats(torch.cat(logps), old_logp[order], rollout.completion_mask[order], prefix="reuse/")
     run.scheduler.step()
-    if hasattr(grad_norm, "full_tensor"): grad_norm = grad_norm.full_tensor()              # sharded parameters: a DTensor
+    if isinstance(grad_norm, DTensor): grad_norm = grad_norm.full_tensor()                 # sharded parameters (08a)
     return stats | {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm), "lr": run.optimizer.param_groups[0]["lr"]}
+
+# %% ../nbs/08_train.ipynb #b1c3ac3c
+def grpo_step(run: Run, step: int, world: OneProcess = OneProcess()) -> dict | None:
+    """One GRPO step on this process's block of whole groups, one line per arrow of the diagram; returns the step's
+    metrics (None on a rank other than the main one). `world`: one process here, the ranks of a torchrun launch (08a)."""
+    config, policy, G = run.config, run.policy, run.config.grpo.num_generations
+    t = {"start": time.perf_counter()}
+    rows, first_prompt = rank_block(run.batch(step), world)                                      # prompts: whole groups
+    rollout = run.engine.generate([r["prompt"] for r in rows], run.sampling(step), **row_streams(run.engine, first_prompt * G)); t["rollout"] = time.perf_counter()  # rollout
+    scores = run.rewards.score(rollout.prompts, rollout.completions, **reward_arguments(rows, G, completion_ids(rollout), step, config.steps)); t["reward"] = time.perf_counter()  # reward
+    all_scores = world.all_gather_floats(scores.total)                                           # every process's rewards
+    advantages, adv_stats = group_advantages(torch.tensor(all_scores), torch.arange(len(all_scores)) // G, config.grpo.scale_rewards)  # advantage
+    advantages = advantages[first_prompt * G:first_prompt * G + len(rollout)]
+    old_logp, entropy = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, True, run.log_probs)  # trainer log-probs
+    totals = world.sum([float(contributing_mask(rollout, config.grpo).sum()), len(rollout)]).tolist()  # the whole batch's size
+    loss_stats = optimize(run, rollout, old_logp, advantages.to(old_logp.device), entropy, step, tuple(totals), world)  # loss, step
+    loss_stats = world.reduce_loss_stats(loss_stats); t["train"] = time.perf_counter()
+    new_logp = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, log_probs=run.log_probs)  # drift: new policy, same tokens
+    sync = world.sync_weights(policy); t["sync"] = time.perf_counter()                           # sync
+    whole = world.whole_batch(run, rollout, scores, old_logp, new_logp, entropy)
+    if whole is None: return None
+    rollout, scores, old_logp, new_logp, entropy = whole
+    metrics = step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, policy.tokenizer)  # metrics
+    return metrics | world.step_record(sync)
 
 # %% ../nbs/08_train.ipynb #89c57310
 def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False,
           callbacks: list[Callable[[dict], None]] = (), policy: Policy | None = None, progress: bool = False,
           dataset=None, reward_funcs=None) -> Run:
-    """Run GRPO for `config.steps` steps. Each step's metrics go to `out_dir/metrics.jsonl` and to every callback.
-    A callback returning False stops the run cleanly after the current step. `dataset` and `reward_funcs`: your own
-    prompts and rewards, TRL's way (see `task_and_rewards`)."""
-    from jetrl.distributed import launched_by_torchrun, train_distributed
-    if launched_by_torchrun(): return train_distributed(config, out_dir, resume, callbacks, policy, progress, dataset, reward_funcs)  # 08a
+    """Run GRPO for `config.steps` steps in this process. Each step's metrics go to `out_dir/metrics.jsonl` and to every
+    callback. A callback returning False stops the run cleanly after the current step. `dataset` and `reward_funcs`:
+    your own prompts and rewards, TRL's way (see `task_and_rewards`). Under torchrun, `jetrl.distributed.train_distributed`
+    runs the same steps on every rank (the `jetrl train` command picks it)."""
+    if launched_by_torchrun():
+        raise RuntimeError("train() runs one process, and this one is a rank of a torchrun launch: call "
+                           "jetrl.distributed.train_distributed (same arguments), or launch `torchrun ... -m jetrl.cli train`.")
     run = start_run(config, out_dir, resume, policy, dataset, reward_funcs)
-    config, policy, G = run.config, run.policy, run.config.grpo.num_generations
-    steps = range(run.start_step, config.steps)
+    steps = range(run.start_step, run.config.steps)
     if progress:
         from tqdm.auto import tqdm
-        steps = tqdm(steps, desc=f"{config.strategy}", initial=run.start_step, total=config.steps)
+        steps = tqdm(steps, desc=f"{run.config.strategy}", initial=run.start_step, total=run.config.steps)
     for step in steps:
-        t = {"start": time.perf_counter()}
-        rows = run.batch(step)                                                                  # prompts
-        rollout = run.engine.generate([r["prompt"] for r in rows], run.sampling(step), **row_streams(run.engine)); t["rollout"] = time.perf_counter()  # rollout
-        scores = run.rewards.score(rollout.prompts, rollout.completions, **reward_arguments(rows, G, completion_ids(rollout), step, config.steps)); t["reward"] = time.perf_counter()  # reward
-        advantages, adv_stats = group_advantages(torch.tensor(scores.total), rollout.group.cpu(), config.grpo.scale_rewards)  # advantage
-        old_logp, entropy = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, True, run.log_probs)  # trainer log-probs
-        loss_stats = optimize(run, rollout, old_logp, advantages.to(old_logp.device), entropy, step); t["train"] = time.perf_counter()  # loss, step
-        new_logp = trainer_log_probs(policy, rollout, config.temperature, config.micro_batch_size, log_probs=run.log_probs)  # drift: new policy, same tokens
-        sync = policy.sync_weights(); t["sync"] = time.perf_counter()                           # sync
-        metrics = step_metrics(step, rollout, scores, adv_stats, old_logp, new_logp, entropy, loss_stats, sync, t, config, policy.tokenizer)  # metrics
+        metrics = grpo_step(run, step)
         run.history.append(metrics)
         if run.out_dir is not None: save_step(run, step, metrics)
         if progress: steps.set_postfix(reward=f"{metrics['reward']:.2f}", mismatch=f"{metrics['mismatch/kl_k3']:.1e}")
@@ -561,6 +662,7 @@ def token_samples(rollout: Rollout, train_logp: torch.Tensor, rewards: list[floa
                         "train_logp": train_logp[i, :n].tolist(), "rollout_logp": rollout.logprobs[i, :n].tolist()})
     return samples
 
+# %% ../nbs/08_train.ipynb #e3810890
 def save_step(run: Run, step: int, metrics: dict):
     """Append the step's metrics (one synced write); checkpoint every `save_every` steps and at the last step, with a
     copy of the step's line (a resume restores the line from it if the log lost it)."""

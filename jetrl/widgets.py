@@ -24,7 +24,9 @@ from plotly.colors import sample_colorscale
 import ipywidgets as widgets
 from .linear import FP8Recipe, convert_to_fp8, get_recipe
 from .mismatch import MAX_ABS_LOG_RATIO, mismatch_by_position, mismatch_metrics
-from .policy import token_log_probs
+from .logprobs import token_log_probs
+from .sampling import SamplingParams
+from .rollout import RolloutEngine
 from .train import TrainConfig, read_metrics, train
 
 # %% ../nbs/10_widgets.ipynb #40aac4e8
@@ -440,7 +442,6 @@ class MismatchExplorer(widgets.VBox):
 
     def __init__(self, model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int = 24, seed: int = 0,
                  temperature: float = 1.0, chat_template: bool = True):
-        from jetrl.rollout import RolloutEngine, SamplingParams
         self.model, self.tokenizer, self.temperature, self.cache = model.eval(), tokenizer, temperature, {}
         params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, temperature=temperature)
         self.rollout = RolloutEngine(model, tokenizer, chat_template=chat_template).generate(list(prompts), params)

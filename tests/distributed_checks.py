@@ -14,7 +14,7 @@ config = TrainConfig(model="jetrl-tiny", strategy="jet", steps=3, prompts_per_st
                      max_new_tokens=8)
 world = jd.init_world()
 run = jd.start_distributed_run(config, world)
-jd.distributed_step(run, world, 0)
+jd.grpo_step(run, 0, world)
 for sync_format in jd.SYNC_FORMATS:
     for repeat in range(2):                                      # the first call of each format warms up
         report = jd.sync_rollout_weights(run.policy, world, sync_format)
@@ -24,11 +24,11 @@ for sync_format in jd.SYNC_FORMATS:
                           "layer_bytes": report.layer_bytes, "sync_s": round(report.seconds, 4)}), flush=True)
 if args.die_at_step is None: sys.exit(0)
 
-step_once = jd.distributed_step
-def dying_step(run, world, step, *a, **k):
+step_once = jd.grpo_step
+def dying_step(run, step, world, *a, **k):
     if world.rank == 1 and step == args.die_at_step: os._exit(3)
-    return step_once(run, world, step, *a, **k)
-jd.distributed_step = dying_step
+    return step_once(run, step, world, *a, **k)
+jd.grpo_step = dying_step
 start = time.perf_counter()
 try:
     jd.train_distributed(config)

@@ -156,8 +156,7 @@ def test_resume_a_single_process_checkpoint_under_torchrun(one_process_run):
 def test_one_rank_fsdp_quantizes_each_weight_once_per_update(monkeypatch):
     """FSDP2 over one rank (`torchrun --nproc-per-node 1`) vs one process, jet: a step's old log-probs (no grad, in
     micro-batches), training micro-batches, update and weight sync quantize each FP8 weight once, in the sync, as one
-    process does (not micro-batches + 2 per weight: old log-probs that re-quantize every weight in every micro-batch,
-    and the first training micro-batch once more, make jet's step far slower on an H200). After the update, the trainer's
+    process does (a no-grad forward that missed the cache would quantize every weight in every micro-batch). After the update, the trainer's
     forward uses the rollout copy's bytes, which are the current weight's."""
     import jetrl.distributed as jd, jetrl.linear as jl
     from jetrl.policy import Policy, load_model_and_tokenizer, token_log_probs
@@ -186,7 +185,7 @@ def test_one_rank_fsdp_quantizes_each_weight_once_per_update(monkeypatch):
             phase[0] = "train"
             parts = micro_batches(len(rollout), micro_batch)
             for i, rows in enumerate(parts):
-                if world: policy.model.fsdp_before_backward(i == len(parts) - 1)
+                if world: world.before_backward(policy.model, i == len(parts) - 1)
                 token_log_probs(policy.model, rollout.input_ids[rows], rollout.attention_mask[rows]).sum().backward()
             optimizer.step(); optimizer.zero_grad()
             phase[0] = "sync"; sync()

@@ -574,7 +574,7 @@ def test_graphed_log_probs_pad_ragged_widths_to_eager_bits_under_jet():
     and without grad at another temperature with the entropy. The gradients are eager's at the padded width (1e-3);
     against an unpadded eager call they differ at FP8's noise (Wgrad quantizes 128 tokens per group along the batch,
     and the padding moves the groups' edges: measured 3.4e-2), bounded at 1e-1."""
-    from jetrl.policy import GraphedLogProbs, token_log_probs, GRAPH_WIDTH_BUCKET
+    from jetrl.logprobs import GraphedLogProbs, token_log_probs, GRAPH_WIDTH_BUCKET
     policy = _qwen2_05b_policy("jet", exact=False, layers=4)
     policy.model.gradient_checkpointing_enable(); policy.model.train()
     graphed = GraphedLogProbs(policy.model)

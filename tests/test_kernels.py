@@ -417,33 +417,35 @@ def test_selective_log_softmax_checks_its_inputs():
 @pytest.mark.parametrize("fused", [False, True], ids=["formula", "fused-head"])
 @pytest.mark.parametrize("T", [1.0, 0.7])
 def test_sampler_and_trainer_share_the_head_formula(fused, T, monkeypatch):
-    """With `jetrl.policy.fused_head_log_probs` on, the sampler's log-prob of the token it picks and the trainer's
+    """With `KernelOptions.fused_head_log_probs` on, the sampler's log-prob of the token it picks and the trainer's
     log-prob of that token both come from selective_log_softmax (the kernels where Triton runs, here under the
     interpreter; the torch formula elsewhere): the same bits. Off, both from the torch formula."""
     import torch.nn as nn
-    import jetrl.policy
-    from jetrl.policy import _head_log_probs
-    from jetrl.rollout import sample_next, SamplingParams
-    monkeypatch.setattr(jetrl.policy, "fused_head_log_probs", fused)
+    from jetrl.logprobs import _head_log_probs, fused_head_active
+    from jetrl.sampling import sample_next, SamplingParams
+    from jetrl.options import KernelOptions, use_kernel_options
     logits, _ = selective_inputs(5)
     logits = logits.to(DEVICE)
-    tokens, sampled = sample_next(logits, SamplingParams(temperature=T, seed=0), torch.Generator(DEVICE).manual_seed(0))
-    trainer, entropy = _head_log_probs(nn.Identity(), logits, tokens, T, True)
+    with use_kernel_options(KernelOptions(fused_head_log_probs=fused)):
+        tokens, sampled = sample_next(logits, SamplingParams(temperature=T, seed=0), torch.Generator(DEVICE).manual_seed(0))
+        trainer, entropy = _head_log_probs(nn.Identity(), logits, tokens, T, True)
+        assert fused_head_active(logits.device) is fused
     assert torch.equal(sampled, trainer)
     assert entropy is not None and torch.isfinite(entropy).all()
-    assert jetrl.policy.fused_head_active(logits.device) is fused
     torch.testing.assert_close(trainer.cpu(), _reference_selective_log_softmax(logits.cpu(), tokens.cpu(), T),
                                rtol=0, atol=1e-5)
 
 
 def test_fused_head_is_on_by_default_on_a_gpu_only():
-    """`fused_head_log_probs = None` (the default): the head's target log-probs run selective_log_softmax's kernels on a
-    GPU (8x torch's ops on an H200, benchmarks/results/head_logprobs_h200.jsonl) and torch's formula on the CPU, where the kernels
+    """`KernelOptions.fused_head_log_probs = None` (the default): the head's target log-probs run selective_log_softmax's
+    kernels on a GPU (8x torch's ops on an H200, benchmarks/results/head_logprobs_h200.jsonl) and torch's formula on the
+    CPU, where the kernels
     would run only under the slow interpreter."""
-    import jetrl.policy
-    assert jetrl.policy.fused_head_log_probs is None
-    assert jetrl.policy.fused_head_active("cpu") is False
-    if torch.cuda.is_available(): assert jetrl.policy.fused_head_active("cuda") is True
+    from jetrl.logprobs import fused_head_active
+    from jetrl.options import KernelOptions
+    assert KernelOptions().fused_head_log_probs is None
+    assert fused_head_active("cpu") is False
+    if torch.cuda.is_available(): assert fused_head_active("cuda") is True
 
 
 # ---- quantization in the producer: RMSNorm and SiLU-mul write their output's FP8 copy ----

@@ -5,7 +5,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import jetrl.linear as linear
-import jetrl.rollout as rollout
+import jetrl.forward as forward
 import jetrl.kernels.mlp as mlp_kernels
 from jetrl.linear import saved_activation_bytes
 from jetrl.policy import Policy, get_strategy, token_log_probs
@@ -40,7 +40,7 @@ def gradients(policy: Policy) -> list[torch.Tensor]:
 
 def autograd_mlp(monkeypatch):
     "The trainer's MLP as before: the model's own module under grad too."
-    monkeypatch.setattr(rollout, "_mlp", lambda mlp, x, fused=False: mlp(x))
+    monkeypatch.setattr(forward, "_mlp", lambda mlp, x, fused=False: mlp(x))
 
 
 def unshared_inputs(monkeypatch):

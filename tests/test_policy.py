@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import jetrl.linear
 from jetrl.linear import RECIPES, FP8Linear, FP8InferenceLinear, FP8Recipe, fp8_modules, quantize_weight
 from jetrl.policy import (STRATEGIES, PrecisionSpec, Policy, SyncReport, get_strategy, token_log_probs, train_log_probs,
-                          rollout_log_probs, save_checkpoint, load_checkpoint, load_model_and_tokenizer, load_policy)
+                          rollout_log_probs, load_model_and_tokenizer, load_policy)
+from jetrl.checkpoints import save_checkpoint, load_checkpoint
 
 # ---- tiny models, a batch, a spy on the FP8 GEMM ----------------------------------------------------------------------
 
@@ -565,7 +566,7 @@ def test_graph_gradients_accumulate_over_micro_batches():
     rewrites it at every replay. With `.grad` unset, autograd takes that buffer over as `.grad`, and two micro-batches
     of one capture summed to twice the second (found in review, on the H200's path). GraphedLogProbs allocates the
     gradients first (`_grads_allocated`): they must sum to g1 + g2."""
-    from jetrl.policy import _grads_allocated
+    from jetrl.logprobs import _grads_allocated
     weight = torch.nn.Parameter(torch.zeros(3))
     static_grad = torch.zeros(3)                         # the capture's gradient buffer, rewritten by every replay
     class Replayed(torch.autograd.Function):
@@ -585,7 +586,7 @@ def test_a_live_eager_graph_is_found_before_a_capture():
     """What GraphedLogProbs checks before a backward capture on torch < 2.12 (a capture that met the accumulators of a
     live eager graph failed on the H200 and broke the CUDA context): the parameters a live autograd graph holds, none
     once it is freed or detached, and none for the accumulators a capture holds (tagged after it)."""
-    from jetrl.policy import _held_by_eager_graphs, _grad_accumulator
+    from jetrl.logprobs import _held_by_eager_graphs, _grad_accumulator
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model[1].bias.requires_grad_(False)
     assert _held_by_eager_graphs(model) == []
@@ -626,7 +627,7 @@ def test_graphed_log_probs_refuse_a_sharded_model():
 
 def test_temperature_log_softmax_is_the_fp32_log_softmax():
     "The upcast-first formula, bit for bit; at temperature 1 without the division (x / 1 is x exactly)."
-    from jetrl.policy import temperature_log_softmax
+    from jetrl.kernels import temperature_log_softmax
     logits = (torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
     got = temperature_log_softmax(logits)
     assert got.dtype == torch.float32
@@ -638,8 +639,8 @@ def test_temperature_log_softmax_is_the_fp32_log_softmax():
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 def test_sampler_and_trainer_log_probs_are_the_same_bits(dtype, temperature):
     "sample_next's log-prob of the token it picks equals the trainer's head log-prob of that token, every bit."
-    from jetrl.policy import _head_log_probs
-    from jetrl.rollout import sample_next, SamplingParams
+    from jetrl.logprobs import _head_log_probs
+    from jetrl.sampling import sample_next, SamplingParams
     logits = (torch.randn(6, 777, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     for params in (SamplingParams(temperature=temperature, seed=0), SamplingParams(temperature=temperature, seed=0, top_k=777)):
         tokens, sampled = sample_next(logits, params, torch.Generator().manual_seed(0))

@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-import jetrl.policy as policy_module
+import jetrl.checkpoints as checkpoints_module
 import jetrl.train as train_module
 from jetrl.cli import main
 from jetrl.fp8 import quantize
 from jetrl.grpo import GRPOConfig
 from jetrl.linear import FP8Linear, convert_to_fp8
-from jetrl.policy import CheckpointError, Policy, load_checkpoint, recover_checkpoint, save_checkpoint
+from jetrl.policy import Policy
+from jetrl.checkpoints import CheckpointError, load_checkpoint, recover_checkpoint, save_checkpoint
 from jetrl.rollout import RolloutEngine, SamplingParams
 from jetrl.tasks import (MAX_COMPLETION_CHARS, chain_steps_reward, countdown_reward, countdown_score, format_reward,
                          number_reward, parse_number)
@@ -59,7 +60,7 @@ class FileOperations:
 
     def __init__(self, monkeypatch, kill_at: int | None = None, half_done: bool = False):
         self.count, self.kill_at, self.half_done, self.names = 0, kill_at, half_done, []
-        real = {"save_model": policy_module.save_model, "save_file": policy_module.save_file, "write_text": Path.write_text,
+        real = {"save_model": checkpoints_module.save_model, "save_file": checkpoints_module.save_file, "write_text": Path.write_text,
                 "mkdir": Path.mkdir, "replace": os.replace, "rmtree": shutil.rmtree}
 
         def wrap(name):
@@ -70,8 +71,8 @@ class FileOperations:
                 raise Killed(f"{name} #{index}")
             return operation
 
-        monkeypatch.setattr(policy_module, "save_model", wrap("save_model"))
-        monkeypatch.setattr(policy_module, "save_file", wrap("save_file"))
+        monkeypatch.setattr(checkpoints_module, "save_model", wrap("save_model"))
+        monkeypatch.setattr(checkpoints_module, "save_file", wrap("save_file"))
         for cls, name in [(Path, "write_text"), (Path, "mkdir"), (os, "replace"), (shutil, "rmtree")]:
             monkeypatch.setattr(cls, name, wrap(name))
 

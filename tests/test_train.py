@@ -188,3 +188,39 @@ def test_a_run_logged_before_cuda_graphs_existed_resumes(model_dir, tmp_path):
     del logged["config"]["exact"]                                    # a field that does count: refused
     metrics.write_text(json.dumps(logged) + "\n" + "".join(rest))
     assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(out), "--resume"]) == 2
+
+
+def test_kernel_options_are_logged_and_a_log_without_them_resumes_with_the_defaults(tmp_path):
+    """TrainConfig.kernels is written into the run header as a dict and read back; a header logged without it stands
+    for the defaults (it resumes), while other options than the logged ones are refused."""
+    import json
+    from dataclasses import replace
+    from jetrl.options import KernelOptions
+    from jetrl.train import plan_run_folder, task_and_rewards, reward_record, METRICS_FILE
+    chosen = TrainConfig(kernels=KernelOptions(fused_entropy=False))
+    assert chosen.to_dict()["kernels"]["fused_entropy"] is False
+    assert TrainConfig.from_dict(json.loads(json.dumps(chosen.to_dict()))) == chosen
+    config, _, rewards = task_and_rewards(TrainConfig())
+    header = {"config": {k: v for k, v in config.to_dict().items() if k != "kernels"}, "reward_funcs": reward_record(rewards)}
+    (tmp_path / METRICS_FILE).write_text(json.dumps(header) + "\n")
+    assert plan_run_folder(tmp_path, config, True, reward_record(rewards)).start_step == 0
+    with pytest.raises(ValueError, match="kernels.fused_entropy"):
+        plan_run_folder(tmp_path, replace(config, kernels=KernelOptions(fused_entropy=False)), True, reward_record(rewards))
+
+
+def test_the_policy_train_builds_runs_the_config_kernels(model_dir):
+    "start_run's policy carries config.kernels; a policy given with other options is refused, naming both."
+    from jetrl.options import KernelOptions
+    from jetrl.policy import load_model_and_tokenizer
+    from jetrl.train import start_run
+    chosen = KernelOptions(dy_one_pass=True)
+    assert start_run(TrainConfig(model=model_dir, kernels=chosen)).policy.kernel_options == chosen
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    with pytest.raises(ValueError, match="config.kernels is .*dy_one_pass"):
+        start_run(TrainConfig(model=model_dir, kernels=chosen), policy=Policy(model, tokenizer, "jet"))
+
+
+def test_train_in_a_torchrun_rank_names_the_distributed_runner(monkeypatch):
+    "train() runs one process: in a rank of a torchrun launch it says which function runs every rank."
+    for key, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1").items(): monkeypatch.setenv(key, value)
+    with pytest.raises(RuntimeError, match="train_distributed"): train(TrainConfig())
