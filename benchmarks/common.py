@@ -115,7 +115,7 @@ def peak_gib(fn) -> float:
 # ---------------------------------------------------------------- kernel options from the command line
 def parse_kernels(text: str | None) -> KernelOptions:
     """KernelOptions from 'name=value,...' (values true/false, on/off, 1/0, or none), e.g.
-    'gluon_decode=false,cublas_at_decode=true'; empty or None: the defaults."""
+    'gluon_decode=false,fused_entropy=false'; empty or None: the defaults."""
     values = {}
     for item in filter(None, (text or "").split(",")):
         name, sep, value = item.partition("=")

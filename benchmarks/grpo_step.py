@@ -30,10 +30,11 @@ from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs, mi
 
 
 def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, generator, sync=None,
-              graphed: GraphedLogProbs | None = None, with_entropy: bool = False) -> dict:
+              graphed: GraphedLogProbs | None = None, with_entropy: bool = False, world=None) -> dict:
     """One GRPO step; returns its phase times and its engine-vs-trainer gap. `sync`: the weight sync (default the
     policy's). `graphed`: the trainer's log-probs (old ones and the micro-batches' forward + backward) from CUDA graphs.
-    `with_entropy`: the old log-probs with each position's entropy, as `jetrl.train` computes them."""
+    `with_entropy`: the old log-probs with each position's entropy, as `jetrl.train` computes them. `world`: under
+    torchrun, the ranks (`jetrl.distributed.World`), told before each micro-batch's backward whether it is the last."""
     device, config = policy.device, GRPOConfig(num_generations=params.n)
     t0 = synced_clock(device)
     rollout = engine.generate(prompts, params)                                                   # rollout
@@ -49,7 +50,7 @@ def grpo_step(policy, engine, optimizer, prompts, params, micro_batch: int, gene
     optimizer.zero_grad(set_to_none=True)
     batches = micro_batches(len(rollout), micro_batch)
     for i, rows in enumerate(batches):                                                          # loss, backward
-        if hasattr(policy.model, "fsdp_before_backward"): policy.model.fsdp_before_backward(i == len(batches) - 1)
+        if world is not None: world.before_backward(policy.model, i == len(batches) - 1)
         logp = log_probs(rollout.input_ids[rows], rollout.attention_mask[rows])[:, P - 1:]
         loss, _ = grpo_loss(logp, old_logp[rows], rollout.logprobs[rows], advantages[rows], rollout.completion_mask[rows],
                             config, loss_normalizer=tokens)
@@ -127,7 +128,7 @@ def run_all(args, argv):
             generator = torch.Generator().manual_seed(2)
             graphed = GraphedLogProbs(policy.model) if args.cuda_graphs else None
             run = lambda: grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync, graphed,
-                                    args.entropy)
+                                    args.entropy, world)
             warmup = run()                                   # captures the engine's graphs (and the trainer's: --cuda-graphs)
             if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
             steps = [run() for _ in range(args.steps)]

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .fp8 import (FP8Tensor, quantize_unchecked, fp8_mm, fp8_dtype, resolve_block, scale_shape, kernel_weight_scale,
-                       KERNEL_BLOCK, has_fp8_kernel, kernel_layout)
+                       KERNEL_BLOCK, has_fp8_kernel, kernel_layout, sqnr)
 from .options import kernel_options
 from .kernels.support import invariant_kernels_available, DECODE_MAX_ROWS, refuse_switch_globals, use_option
 from .kernels.quantize import quantize_1x128, quantize_128x128, QUANTIZE_128X128_DTYPES, _fits_128x128
@@ -122,6 +122,7 @@ def _runs_invariant_fprop(x2d: torch.Tensor, w_fp8: FP8Tensor, recipe: FP8Recipe
             and not recipe.pow2_scale and has_fp8_kernel(x2d.device, "blockwise_1x128_128x128")
             and invariant_kernels_available(x2d.device))
 
+# %% ../nbs/01_linear.ipynb #b40c6ab5
 def fp8_fprop(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
               w_kernel_scale: torch.Tensor | None = None, x_fp8: FP8Tensor | None = None):
     """The FP8 forward GEMM, `x @ W.T + b`, for x (..., K) and an FP8 weight (N, K). Returns (y, x_fp8).
@@ -163,11 +164,11 @@ def _fprop_sharing_input(x: torch.Tensor, w_fp8: FP8Tensor, bias: torch.Tensor |
     _remember_input_fp8(x, recipe, x_fp8)
     return y, x_fp8
 
+# %% ../nbs/01_linear.ipynb #bd153f32
 # Producers of an FP8 linear's input (jetrl's RMSNorm and SiLU-mul kernels) quantize it in their own kernel and hand the
 # copy over, where `KernelOptions.quantize_in_producers` (else the linears quantize it themselves).
-
 # At decode's few rows the RMSNorm runs one program per row, and its FP8 pass adds latency rather than saving
-# bandwidth (`benchmarks/producer_quant.py`). A caller that passes its `rows` (the norm) leaves inputs of at most this
+# bandwidth (`benchmarks/results/producer_quant_h200.jsonl`). A caller that passes its `rows` (the norm) leaves inputs of at most this
 # many rows to the linears. The SiLU-mul passes none: its tiles of rows and columns write the copy faster than the plain
 # kernel then `quantize_1x128`.
 PRODUCER_MAX_DECODE_ROWS = DECODE_MAX_ROWS
@@ -229,6 +230,7 @@ def _handed_grad_fp8(dy: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor | None:
         return None
     return dy_fp8
 
+# %% ../nbs/01_linear.ipynb #7680d317
 _PINNING_FOR = None   # the holder of CUDA graphs (GraphedLogProbs) capturing now: its eager warm-up backward pins
 
 @contextmanager
@@ -306,6 +308,7 @@ def _shared_wgrad_input(x_fp8: FP8Tensor, make, key: tuple) -> FP8Tensor:
     else: _drop_wgrad_input(data)
     return x_wgrad
 
+# %% ../nbs/01_linear.ipynb #3673dda7
 class FP8LinearFunction(torch.autograd.Function):
     "y = x @ W.T + b with Fprop, Dgrad and Wgrad quantized per an FP8Recipe; x is saved in FP8."
 
@@ -376,7 +379,6 @@ class FP8LinearFunction(torch.autograd.Function):
 # %% ../nbs/01_linear.ipynb #4efe4e55
 def linear_sqnr(recipe: "str | FP8Recipe", x: torch.Tensor, hp_weight: torch.Tensor, dy: torch.Tensor) -> dict:
     "SQNR (dB) of y, dx and dW of the FP8 linear against the fp32 linear, on the same inputs."
-    from jetrl.fp8 import sqnr
     results = {}
     for fn in ("fp8", "fp32"):
         xi, wi = x.detach().float().clone().requires_grad_(), hp_weight.detach().float().clone().requires_grad_()

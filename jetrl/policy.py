@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 import torch.nn as nn
-from .options import KernelOptions, use_kernel_options
+from .options import KernelOptions, use_kernel_options, kernel_options as active_kernel_options
 from .linear import FP8Recipe, FP8InferenceLinear, convert_to_fp8, fp8_modules, quantize_weight
 from .kernels import use_invariant_kernels
 from .models import quiet_imports, load_smollm2, no_progress_bars
@@ -49,10 +49,12 @@ class SyncReport:
 
 class Policy:
     """A causal LM with a training side and a rollout side, in the precision of a strategy. `kernel_options`: the
-    kernels its training forward and backward and its rollout engine's generation run (`jetrl.options`)."""
+    kernels its training forward and backward and its rollout engine's generation run (`jetrl.options`; None: the
+    options active where the policy is built, the defaults outside any `use_kernel_options` block)."""
 
     def __init__(self, model: nn.Module, tokenizer=None, strategy: "str | PrecisionSpec" = "jet", device=None,
-                 exact: bool = False, kernel_options: KernelOptions = KernelOptions()):
+                 exact: bool = False, kernel_options: KernelOptions | None = None):
+        if kernel_options is None: kernel_options = active_kernel_options()
         if not isinstance(kernel_options, KernelOptions):
             raise TypeError(f"kernel_options must be a jetrl.options.KernelOptions, got {type(kernel_options).__name__}.")
         self.spec, self.exact, self.kernel_options = get_strategy(strategy), exact, kernel_options
@@ -139,7 +141,7 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype = torch.float
     return model.eval(), tokenizer
 
 def load_policy(name_or_path: str, strategy: "str | PrecisionSpec" = "jet", device=None, exact: bool = False,
-                kernel_options: KernelOptions = KernelOptions()) -> Policy:
+                kernel_options: KernelOptions | None = None) -> Policy:
     "A Policy for a named, local or hub causal LM under `strategy` (`exact`: the rollout and trainer agree bit for bit on a GPU)."
     spec = get_strategy(strategy)
     model, tokenizer = load_model_and_tokenizer(name_or_path)

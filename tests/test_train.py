@@ -213,10 +213,10 @@ def test_the_policy_train_builds_runs_the_config_kernels(model_dir):
     from jetrl.options import KernelOptions
     from jetrl.policy import load_model_and_tokenizer
     from jetrl.train import start_run
-    chosen = KernelOptions(dy_one_pass=True)
+    chosen = KernelOptions(fused_entropy=False)
     assert start_run(TrainConfig(model=model_dir, kernels=chosen)).policy.kernel_options == chosen
     model, tokenizer = load_model_and_tokenizer(model_dir)
-    with pytest.raises(ValueError, match="config.kernels is .*dy_one_pass"):
+    with pytest.raises(ValueError, match="config.kernels is .*fused_entropy"):
         start_run(TrainConfig(model=model_dir, kernels=chosen), policy=Policy(model, tokenizer, "jet"))
 
 
