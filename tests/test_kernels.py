@@ -96,9 +96,10 @@ def norm_inputs(shape, weight_dtype, x_dtype=torch.bfloat16, seed=0, strided_dy=
     x = torch.randn(shape, generator=g).to(x_dtype)
     weight = (torch.rand(H, generator=g) + 0.5).to(weight_dtype)
     y_dtype = torch.promote_types(x_dtype, weight_dtype)
-    dy = torch.randn(*shape[:-1], 2 * H, generator=g).to(y_dtype)[..., ::2] if strided_dy else \
-        torch.randn(shape, generator=g).to(y_dtype)
-    return x.to(DEVICE), weight.to(DEVICE), dy.to(DEVICE)
+    # the view is taken on DEVICE: copying a strided CPU view to a GPU gives a contiguous tensor
+    dy = torch.randn(*shape[:-1], 2 * H, generator=g).to(DEVICE, y_dtype)[..., ::2] if strided_dy else \
+        torch.randn(shape, generator=g).to(DEVICE, y_dtype)
+    return x.to(DEVICE), weight.to(DEVICE), dy
 
 
 # ---- RMSNorm's backward ----
@@ -256,9 +257,9 @@ SELECTIVE_V = 2 * VOCAB_BLOCK + 37          # three blocks, the last one partial
 def selective_inputs(n, V=SELECTIVE_V, dtype=torch.bfloat16, seed=0, row_stride_pad=0):
     "logits (n, V) spread like a head's (std 4), optionally a view with a longer row stride, and targets (n,) int64."
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(n, V + row_stride_pad, generator=g) * 4).to(dtype)[:, :V]
+    logits = (torch.randn(n, V + row_stride_pad, generator=g) * 4).to(DEVICE, dtype)[:, :V]    # the view on DEVICE
     targets = torch.randint(0, V, (n,), generator=g)
-    return logits.to(DEVICE), targets.to(DEVICE)
+    return logits, targets.to(DEVICE)
 
 
 def oracle_grad(logits, targets, T, grad):
