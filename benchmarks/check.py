@@ -7,8 +7,10 @@
 1. `python -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_grad_kernels.py tests/test_gluon_kernels.py`
    (correctness: kernels against the CPU oracle and each other, engine == trainer, the graphed trainer), stopped by
    SIGINT at --test-timeout so that pytest still prints its summary;
-2. `python -m benchmarks speed_check` (each kernel against what it replaces, timed and bounded).
-The exit status is 0 only if both pass. A tree copied without .git: set JETRL_GIT_SHA for the rows' `git_sha`.
+2. with `--notebooks FILE`: every notebook and walkthrough, cells flagged `cuda` included, each in a fresh process
+   (`python tools/run_notebooks.py --flags cuda --out FILE`: per notebook PASS / FAIL and seconds);
+3. `python -m benchmarks speed_check` (each kernel against what it replaces, timed and bounded).
+The exit status is 0 only if all pass. A tree copied without .git: set JETRL_GIT_SHA for the rows' `git_sha`.
 """
 import argparse, os, signal, subprocess, sys
 
@@ -36,12 +38,20 @@ def main(argv=None):
     p.add_argument("--test-timeout", type=int, default=420, help="seconds before the tests are interrupted")
     p.add_argument("-k", default=None, help="pytest -k expression for the tests")
     p.add_argument("--out", "--results", dest="out", default=None, metavar="FILE", help="append speed_check's rows to FILE")
+    p.add_argument("--notebooks", default=None, metavar="FILE",
+                   help="also run every notebook with its cuda cells (tools/run_notebooks.py), the report in FILE")
     args = p.parse_args(argv)
     os.environ.update(ENV)
     status = 0
     if not args.speed_only:
         status = run_tests(["-k", args.k] if args.k else [], args.test_timeout)
         print(f"tests: exit status {status}", flush=True)
+    if args.notebooks and not args.speed_only:
+        command = [sys.executable, "tools/run_notebooks.py", "--flags", "cuda", "--out", args.notebooks]
+        print("+ " + " ".join(command), flush=True)
+        notebooks = subprocess.run(command).returncode
+        print(f"notebooks: exit status {notebooks}", flush=True)
+        status = status or notebooks
     if not args.tests_only:
         from benchmarks import speed_check
         speed = speed_check.main(["--out", args.out] if args.out else [])
