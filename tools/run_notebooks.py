@@ -39,6 +39,7 @@ for index, source in cells:
     try: exec(compile(source, f"<cell {index}>", "exec"), namespace)
     except BaseException as error:
         print(json.dumps({"cell": index, "error": f"{type(error).__name__}: {error}"[:500]}), file=sys.stderr)
+        print(source[-300:], file=sys.stderr)
         traceback.print_exc()
         sys.exit(1)
 '''
