@@ -26,3 +26,11 @@ def test_flags_pick_the_cells_and_a_failure_names_its_cell(tmp_path, monkeypatch
     assert R.main([str(good), str(bad), "--out", str(out)]) == 1
     report = out.read_text()
     assert "PASS good.ipynb" in report and "FAIL bad.ipynb" in report and "1 of 2 notebooks passed" in report
+
+
+def test_a_cell_function_has_its_source(tmp_path, monkeypatch):
+    "Triton's @jit reads a kernel's source with inspect.getsource: a cell's functions must have theirs, as in IPython."
+    monkeypatch.setattr(R, "ROOT", tmp_path)
+    nb = notebook(tmp_path / "src.ipynb", "import inspect\ndef kernel(x):\n    return x + 1",
+                  "assert 'return x + 1' in inspect.getsource(kernel)")
+    assert R.run_notebook(nb, set(), 60)["passed"]

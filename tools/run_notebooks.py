@@ -32,11 +32,14 @@ def code_cells(notebook: Path, flags: set[str]) -> list[tuple[int, str]]:
             if c["cell_type"] == "code" and cell_flags("".join(c["source"])) <= flags]
 
 RUNNER = r'''
-import json, sys, traceback
+import json, linecache, sys, traceback
 cells = json.loads(sys.stdin.read())
 namespace = {"__name__": "__main__"}
 for index, source in cells:
-    try: exec(compile(source, f"<cell {index}>", "exec"), namespace)
+    filename = f"<cell {index}>"
+    # as IPython does: the cell's source in linecache, so that inspect.getsource (Triton's @jit needs it) finds it
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try: exec(compile(source, filename, "exec"), namespace)
     except BaseException as error:
         print(json.dumps({"cell": index, "error": f"{type(error).__name__}: {error}"[:500]}), file=sys.stderr)
         print(source[-300:], file=sys.stderr)
