@@ -60,11 +60,11 @@ def test_non_numbers_wrong_lengths_and_overflows_are_errors(returns):
     assert not any(abs(v) > 3.4e38 for v in scores.total)
 
 
-def test_nan_is_reported_and_unscorable():
+def test_nan_is_unscorable_as_none_is():
+    "TRL keeps rewards in a tensor, where None becomes NaN: the two mean the same, and neither is a failure."
     def sick(prompts, completions, **kwargs): return [math.nan, 1.0]
-    with pytest.warns(RewardFunctionWarning, match="NaN"):
-        scores = combine_rewards([(sick, 1.0)]).score(None, ["a", "b"])
-    assert math.isnan(scores.total[0]) and scores.total[1] == 1.0 and scores.unscored == 1
+    scores = combine_rewards([(sick, 1.0)]).score(None, ["a", "b"])
+    assert math.isnan(scores.total[0]) and scores.total[1] == 1.0 and scores.unscored == 1 and scores.errors == 0
 
 
 def test_rewards_near_the_float32_limit_give_finite_advantages():
@@ -76,15 +76,17 @@ def test_rewards_near_the_float32_limit_give_finite_advantages():
 
 
 def test_reward_failures_are_logged_per_step(model_dir, tmp_path):
-    def half_broken(prompts, completions, **kwargs):
-        return [None if i % 4 == 1 else ("x" if i % 4 == 2 else 1.0 * (i % 2)) for i in range(len(completions))]
+    def half_broken(prompts, completions, **kwargs):                          # by the completion: the same alone or in a batch
+        kinds = [sum(map(ord, c)) % 3 for c in completions]
+        return [None if kind == 0 else ("x" if kind == 1 else 1.0) for kind in kinds]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RewardFunctionWarning)
         train(small(model_dir), tmp_path / "run", reward_funcs=half_broken)
     _, steps = read_metrics(tmp_path / "run")
     for m in steps:
-        assert m["rewards/nan"] == 2 and m["rewards/errors"] >= 2 and m["rewards/unscorable"] == 2, m
+        assert m["rewards/unscorable"] == m["rewards/nan"] and m["rewards/nan"] + m["rewards/errors"] <= 8, m
         assert math.isfinite(m["reward"]) and math.isfinite(m["loss"])
+    assert sum(m["rewards/nan"] for m in steps) > 0 and sum(m["rewards/errors"] for m in steps) > 0
 
 
 def test_a_run_whose_every_reward_fails_stops_with_a_clear_error_and_keeps_its_steps(model_dir, tmp_path):
