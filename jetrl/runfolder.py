@@ -172,7 +172,7 @@ def open_run_log(out_dir: Path, config: "TrainConfig", plan: RunFolderPlan, rewa
     """Carry out `plan` (after the checkpoint loaded): write or repair metrics.jsonl; returns the steps already logged.
     `header_extra`: more fields for a new run's first line (e.g. the distributed launch)."""
     metrics = out_dir / METRICS_FILE
-    for note in plan.notes: warnings.warn(note, RunFolderWarning, stacklevel=3)
+    for note in plan.notes: warnings.warn(note, RunFolderWarning, stacklevel=4)
     if plan.fresh or plan.start_step == 0 and not plan.kept and not metrics.exists():
         header = {"config": config.to_dict(), "reward_funcs": rewards, "jetrl": _versions(), **(header_extra or {})}
         write_atomically(metrics, json.dumps(header) + "\n")
