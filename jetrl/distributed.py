@@ -26,12 +26,13 @@ from .linear import FP8InferenceLinear, FP8Linear, FP8Recipe, fp8_modules, quant
 from .forward import sequence_forward
 from .sampling import Rollout
 from .policy import Policy, SyncReport, build_rollout_copy, load_model_and_tokenizer
-from .checkpoints import CHECKPOINT_VERSION, check_checkpoint_launch, recover_checkpoint, _sibling, _fsync
+from .checkpoints import CHECKPOINT_VERSION, check_checkpoint_launch, check_model_identity, model_identity, recover_checkpoint, _sibling, _fsync
 from .rollout import RolloutEngine
 from .tasks import RewardScores
 from .train import (TrainConfig, Run, OneProcess, launched_by_torchrun, check_divisible, rank_block, grpo_step,
-                         task_and_rewards, reward_record, plan_run_folder, open_run_log, append_line, RunFolderPlan,
-                         METRICS_FILE, CHECKPOINT_DIR, resolve_strategy, _lr_lambda)
+                         task_and_rewards, reward_record, resolve_strategy, _lr_lambda)
+from .runfolder import (METRICS_FILE, CHECKPOINT_DIR, RunFolderPlan, append_line, lock_run_folder, plan_run_folder,
+                             open_run_log)
 
 # %% ../nbs/08a_distributed.ipynb #5c0f331a
 TIMEOUT_ENV = "JETRL_DIST_TIMEOUT"    # seconds a collective waits for the other ranks
@@ -352,7 +353,7 @@ def merge_rollouts(parts: list[dict]) -> tuple[Rollout, RewardScores, torch.Tens
                       torch.arange(sum(len(p["prompts"]) for p in parts)) // rows_per_prompt)
     generated, seconds = sum(p["timing"]["generated_tokens"] for p in parts), max(p["timing"]["total_s"] for p in parts)
     rollout.timing = dict(parts[0]["timing"], generated_tokens=generated, total_s=seconds, tokens_per_s=generated / max(seconds, 1e-9))
-    scores = RewardScores(flat("total"), {name: [x for p in parts for x in p["per_function"][name]] for name in parts[0]["per_function"]})
+    scores = RewardScores.concatenate([p["scores"] for p in parts])
     return rollout, scores, cat("old_logp"), cat("new_logp"), cat("entropy")
 
 def _share(rollout: Rollout, scores: RewardScores, old_logp, new_logp, entropy, pad_id: int) -> dict:
@@ -361,7 +362,7 @@ def _share(rollout: Rollout, scores: RewardScores, old_logp, new_logp, entropy, 
     return dict(prompt_ids=cpu(rollout.prompt_ids), prompt_mask=cpu(rollout.prompt_mask), completion_ids=cpu(rollout.completion_ids),
                 completion_mask=cpu(rollout.completion_mask), logprobs=cpu(rollout.logprobs), prompts=rollout.prompts,
                 completions=rollout.completions, finish_reasons=rollout.finish_reasons, timing=rollout.timing,
-                total=scores.total, per_function=scores.per_function, old_logp=cpu(old_logp), new_logp=cpu(new_logp),
+                scores=scores, old_logp=cpu(old_logp), new_logp=cpu(new_logp),
                 entropy=cpu(entropy), pad_id=pad_id, rows_per_prompt=int((rollout.group == rollout.group[0]).sum()))
 
 # %% ../nbs/08a_distributed.ipynb #0cac66ec
@@ -373,13 +374,14 @@ def save_distributed_checkpoint(directory: "str | Path", policy: Policy, optimiz
     tmp, old = _sibling(directory, ".tmp"), _sibling(directory, ".old")
     if world.is_main: recover_checkpoint(directory)                 # a save killed earlier: finish or undo it first
     world.barrier()
+    identity = model_identity(policy.model, (extra or {}).get("config", {}).get("model"))     # on every rank: it reads the shards
     model_state, optimizer_state = get_state_dict(policy.model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))   # every rank its shards
     world.barrier()
     if world.is_main:                                               # checkpoint.json last: it marks the folder finished
         for path in tmp.iterdir(): _fsync(path)
         meta = {"version": CHECKPOINT_VERSION, "format": "dcp", "world_size": world.size, "step": step,
-                "spec": policy.spec.to_dict(), "extra": extra or {}}
+                "spec": policy.spec.to_dict(), "extra": extra or {}, "model": identity}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=1, default=str))
         _fsync(tmp / "checkpoint.json"); _fsync(tmp)
         if directory.exists(): os.replace(directory, old)           # the old one steps aside, the new one takes its name
@@ -388,12 +390,13 @@ def save_distributed_checkpoint(directory: "str | Path", policy: Policy, optimiz
     world.barrier()
     return directory
 
-def load_distributed_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.optim.Optimizer) -> dict:
+def load_distributed_checkpoint(directory: "str | Path", policy: Policy, optimizer: torch.optim.Optimizer, model_name: str | None = None) -> dict:
     "Load a Distributed Checkpoint into the sharded policy and optimizer (any world size); returns its metadata."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     directory = Path(directory)
     meta = check_checkpoint_launch(directory, under_torchrun=True)
+    check_model_identity(meta.get("model"), policy.model, model_name, directory)
     model_state, optimizer_state = get_state_dict(policy.model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(directory))
@@ -416,8 +419,10 @@ def _on_main(world: World, fn: Callable):
     if error is not None: raise _on_every_rank(error)
     return result
 
-def _plan_distributed_run(out_dir: Path, config: TrainConfig, resume: bool, rewards: list[dict]) -> RunFolderPlan:
-    "08_train's folder checks and resume plan, and a checkpoint to resume that torchrun can load."
+def _plan_distributed_run(out_dir: Path, config: TrainConfig, resume: bool, rewards: list[dict], held: list) -> RunFolderPlan:
+    """The folder taken (its lock appended to `held`), 08_train's folder checks and resume plan, and a checkpoint to
+    resume that torchrun can load."""
+    held.append(lock_run_folder(out_dir))
     plan = plan_run_folder(out_dir, config, resume, rewards)
     if plan.start_step > 0: check_checkpoint_launch(out_dir / CHECKPOINT_DIR, under_torchrun=True)
     return plan
@@ -435,7 +440,8 @@ def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Pat
     except (ValueError, TypeError) as e: raise _on_every_rank(e)
     out_dir = Path(out_dir) if out_dir is not None else None
     # the folder checks and the resume plan (08_train's, crash-safe checkpoints included) run on rank 0, for every rank
-    plan = _on_main(world, lambda: _plan_distributed_run(out_dir, config, resume, reward_record(rewards))) if out_dir is not None else RunFolderPlan(0)
+    held = []                                                     # rank 0's lock on the folder: one run at a time
+    plan = _on_main(world, lambda: _plan_distributed_run(out_dir, config, resume, reward_record(rewards), held)) if out_dir is not None else RunFolderPlan(0)
     start_step = plan.start_step
     random.seed(config.seed); torch.manual_seed(config.seed)
     if policy is None:
@@ -446,9 +452,10 @@ def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Pat
     if ref_model is not None: shard_model(ref_model, world)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
-    run = Run(config, policy, RolloutEngine(policy), optimizer, scheduler, task, rewards, out_dir, start_step, ref_model=ref_model)
+    run = Run(config, policy, RolloutEngine(policy), optimizer, scheduler, task, rewards, out_dir, start_step, ref_model=ref_model,
+              folder_lock=held[0] if held else None)
     if out_dir is not None and start_step > 0:
-        load_distributed_checkpoint(out_dir / CHECKPOINT_DIR, policy, optimizer); forget_fp8_weights(policy.model)
+        load_distributed_checkpoint(out_dir / CHECKPOINT_DIR, policy, optimizer, config.model); forget_fp8_weights(policy.model)
         with warnings.catch_warnings():                                    # torch warns: no optimizer.step() yet (none is due)
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
             scheduler.last_epoch = start_step - 1; scheduler.step()
@@ -501,3 +508,4 @@ def train_distributed(config: TrainConfig, out_dir: "str | Path | None" = None, 
         raise RankLostError(f"{_stop_message(world, run)}: {str(e).splitlines()[0]}") from e
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if run is not None and run.folder_lock is not None: run.folder_lock.release()

@@ -87,26 +87,39 @@ class GRPOConfig:
     def clip_high(self) -> float: return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 # %% ../nbs/06_grpo.ipynb #46d93ead
-def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale_rewards: str = "group", eps: float = 1e-4):
-    """Reward minus its group's mean, divided by the group's std ('group'), the batch's std ('batch') or not
-    at all ('none'). rewards, group: (B,). Returns (advantages (B,), stats)."""
-    rewards = rewards.float()
-    groups, index = torch.unique(group, return_inverse=True)
-    count = torch.zeros(len(groups)).index_add_(0, index, torch.ones_like(rewards))
-    mean = torch.zeros(len(groups)).index_add_(0, index, rewards) / count
+def _advantages(values: torch.Tensor, index: torch.Tensor, groups: int, scale_rewards: str, eps: float):
+    "group_advantages' arithmetic in the dtype of `values`: (advantages, each group's std)."
+    scored = ~values.isnan()                                   # NaN: unscorable, left out of every statistic
+    zeros = lambda: torch.zeros(groups, dtype=values.dtype)
+    filled = torch.where(scored, values, torch.zeros_like(values))
+    count = zeros().index_add_(0, index, scored.to(values.dtype))
+    mean = zeros().index_add_(0, index, filled) / count.clamp(min=1)
     # all-equal groups, found exactly: float means leave a residue (eight rewards of 1.0 + 0.5 + 0.1 have a centered
     # value of 1.2e-7, which 'group' scaling turned into an advantage of -0.0012 and a nonzero std)
-    highest = torch.full((len(groups),), -math.inf).scatter_reduce_(0, index, rewards, "amax")
-    lowest = torch.full((len(groups),), math.inf).scatter_reduce_(0, index, rewards, "amin")
-    all_equal = highest == lowest
-    centered = torch.where(all_equal[index], torch.zeros_like(rewards), rewards - mean[index])
-    var = torch.zeros(len(groups)).index_add_(0, index, centered**2) / (count - 1).clamp(min=1)
-    group_std = var.sqrt()
+    highest = torch.full((groups,), -math.inf, dtype=values.dtype).scatter_reduce_(0, index, torch.where(scored, values, -math.inf), "amax")
+    lowest = torch.full((groups,), math.inf, dtype=values.dtype).scatter_reduce_(0, index, torch.where(scored, values, math.inf), "amin")
+    all_equal = (highest == lowest) | (count == 0)
+    centered = torch.where(all_equal[index] | ~scored, torch.zeros_like(values), filled - mean[index])
+    group_std = (zeros().index_add_(0, index, centered**2) / (count - 1).clamp(min=1)).sqrt()
     if scale_rewards == "group":   # a group whose rewards are all equal carries no signal: advantage 0, never 0/0
-        advantages = torch.where(group_std[index] > 0, centered / (group_std[index] + eps), torch.zeros_like(centered))
-    elif scale_rewards == "batch": advantages = centered / (rewards.std() + eps if len(rewards) > 1 else 1.0)
-    elif scale_rewards == "none": advantages = centered
-    else: raise ValueError(f"scale_rewards must be one of {REWARD_SCALINGS}, got {scale_rewards!r}.")
+        return torch.where(group_std[index] > 0, centered / (group_std[index] + eps), torch.zeros_like(centered)), group_std
+    if scale_rewards == "batch":
+        spread = values[scored]
+        return centered / (spread.std() + eps if len(spread) > 1 else 1.0), group_std
+    return centered, group_std
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale_rewards: str = "group", eps: float = 1e-4):
+    """Reward minus its group's mean, divided by the group's std ('group'), the batch's std ('batch') or not
+    at all ('none'). rewards, group: (B,). Returns (advantages (B,), stats). A NaN reward (an unscorable completion,
+    TRL's) is left out of every mean and std and gets advantage 0. Float32 statistics that overflow (rewards near
+    float32's largest, 3.4e38) are taken in float64; the advantages stay float32."""
+    if scale_rewards not in REWARD_SCALINGS: raise ValueError(f"scale_rewards must be one of {REWARD_SCALINGS}, got {scale_rewards!r}.")
+    groups, index = torch.unique(group, return_inverse=True)
+    advantages, group_std = _advantages(rewards.float(), index, len(groups), scale_rewards, eps)
+    if not torch.isfinite(advantages).all():
+        wide, group_std = _advantages(rewards.double(), index, len(groups), scale_rewards, eps)
+        largest = torch.finfo(torch.float32).max
+        advantages = wide.clamp(-largest, largest).float()
     stats = {"zero_std_groups": int((group_std == 0).sum()), "groups": len(groups),
              "frac_zero_std_groups": float((group_std == 0).float().mean())}
     return advantages, stats

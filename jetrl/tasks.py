@@ -7,8 +7,8 @@ Docs: https://jetrl.github.io/jetrl/tasks.html.md"""
 # %% auto #0
 __all__ = ['ANSWER_OPEN', 'ANSWER_CLOSE', 'DEFAULT_ANSWER_FORMAT', 'ANSWER_FORMATS', 'MAX_COMPLETION_CHARS', 'MAX_ANSWER_CHARS',
            'NUMBER_PATTERN', 'PLAIN_NUMBER_PATTERN', 'MAX_EXPRESSION_CHARS', 'EXPRESSION_PATTERN', 'MAX_ABS_VALUE',
-           'BINARY_OPERATORS', 'RewardFn', 'COMPLETION_PREVIEW_CHARS', 'DEFAULT_FORMAT_WEIGHT', 'MAX_ROWS',
-           'MAX_DIGITS', 'MAX_OPERANDS', 'ARITHMETIC_OPERATORS', 'NUMBER_ANSWER_FORMATS', 'MAX_STEPS',
+           'BINARY_OPERATORS', 'RewardFn', 'COMPLETION_PREVIEW_CHARS', 'FLOAT32_MAX', 'DEFAULT_FORMAT_WEIGHT',
+           'MAX_ROWS', 'MAX_DIGITS', 'MAX_OPERANDS', 'ARITHMETIC_OPERATORS', 'NUMBER_ANSWER_FORMATS', 'MAX_STEPS',
            'CHAIN_STEPS_WEIGHT', 'STEP_WORDS', 'CHAIN_NUMBERS_BETWEEN_RESULTS', 'MAX_COUNTDOWN_NUMBERS',
            'MAX_COUNTDOWN_NUMBER', 'MAX_GENERATION_TRIES', 'COUNTDOWN_ANSWER_FORMATS', 'GSM8K_ANSWER_MARK', 'TASKS',
            'check_answer_format', 'make_prompt', 'completion_text', 'extract_answer', 'parse_number', 'ExpressionError',
@@ -201,47 +201,78 @@ def countdown_reward(prompts: list, completions: list, numbers: Sequence[Sequenc
 COMPLETION_PREVIEW_CHARS = 200  # how much of an offending completion a warning shows
 
 class RewardFunctionWarning(UserWarning):
-    "A reward function raised on a completion; that completion scored 0 for that function."
+    "A reward function failed on a completion; that completion scored 0 for that function."
+
+def _nan_mean(values: list[float]) -> float | None:
+    "The mean of the values that are not NaN (None if there are none)."
+    scored = [v for v in values if not math.isnan(v)]
+    return sum(scored) / len(scored) if scored else None
 
 @dataclass
 class RewardScores:
-    "One batch's rewards: the weighted `total` per completion, and each function's unweighted values by name."
+    """One batch's rewards: the weighted `total` per completion (NaN: unscorable, no function scored it), each function's
+    unweighted values by name (NaN: it gave None or NaN), and what went wrong."""
     total: list[float]
     per_function: dict[str, list[float]]
+    errors: int = 0                    # failures (raised, wrong length, not a number, beyond float32): scored 0
+    unscored: int = 0                  # values given as None or NaN
+    scored: int = 0                    # values that are real scores
+    first_error: str | None = None     # the batch's first failure, as its warning says it
 
-    def means(self) -> dict[str, float]:
-        "The batch mean of the total (`reward`) and of each function (`rewards/<name>`), for logging."
-        def mean(values: list[float]) -> float: return sum(values) / len(values) if values else 0.0
-        return {"reward": mean(self.total)} | {f"rewards/{name}": mean(v) for name, v in self.per_function.items()}
+    def means(self) -> dict[str, float | None]:
+        "The batch mean of the total (`reward`) and of each function (`rewards/<name>`) over what was scored, for logging."
+        return {"reward": _nan_mean(self.total) or 0.0} | {f"rewards/{name}": _nan_mean(v) for name, v in self.per_function.items()}
+
+    def counts(self) -> dict[str, int]:
+        "What went wrong in the batch, for logging: failures, None/NaN values, unscorable completions."
+        return {"rewards/errors": self.errors, "rewards/nan": self.unscored, "rewards/unscorable": sum(math.isnan(v) for v in self.total)}
+
+    @classmethod
+    def concatenate(cls, parts: list["RewardScores"]) -> "RewardScores":
+        "The scores of a batch made of `parts`, in order (each process's share, `08a_distributed`)."
+        return cls([v for p in parts for v in p.total], {name: [v for p in parts for v in p.per_function[name]] for name in parts[0].per_function},
+                   sum(p.errors for p in parts), sum(p.unscored for p in parts), sum(p.scored for p in parts),
+                   next((p.first_error for p in parts if p.first_error), None))
 
 # %% ../nbs/03_tasks.ipynb #cell-027
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: a step's reward statistics are float32
+
+def _reward_value(value: Any) -> float:
+    "One reward as a float: NaN for None or NaN (no score); a TypeError or ValueError for a non-number or an infinite one."
+    if value is None: return math.nan
+    if isinstance(value, (str, bytes, bytearray)): raise TypeError(f"returned {value!r:.40}, a string: a reward is a number")
+    number = float(value)                                       # a TypeError for what is not a number
+    if abs(number) > FLOAT32_MAX: raise ValueError(f"returned {value!r}, beyond float32's range (+-{FLOAT32_MAX:.4g})")
+    return number
+
 def _checked_values(values: Any, n: int) -> list[float]:
-    "`values` as `n` finite floats (None -> 0.0); raise ValueError otherwise."
+    "`values` as `n` floats (NaN for None and NaN); raise TypeError or ValueError otherwise."
+    if isinstance(values, (str, bytes, bytearray, dict, set)) or not hasattr(values, "__len__"):
+        raise TypeError(f"returned {type(values).__name__} {values!r:.40}, not a list of {n} numbers")
     values = list(values)
     if len(values) != n: raise ValueError(f"returned {len(values)} values for {n} completions")
-    floats = [0.0 if value is None else float(value) for value in values]
-    if not all(math.isfinite(value) for value in floats): raise ValueError(f"returned a non-finite value: {floats}")
-    return floats
+    return [_reward_value(value) for value in values]
 
 def call_reward_safely(reward_fn: RewardFn, prompts: list, completions: list, columns: dict[str, Any],
-                       on_error: Callable[[Any, Exception], None]) -> list[float]:
-    "`reward_fn`'s values on a batch, called by keyword as TRL does; a completion on which it fails scores 0 and is passed to `on_error`."
+                       on_error: Callable[[Any, Exception], None]) -> tuple[list[float], list[int]]:
+    """`reward_fn`'s values on a batch, called by keyword as TRL does, and the completions it failed on: each scores 0
+    and is passed to `on_error`. A value given as None or NaN is NaN (no score)."""
     n = len(completions)
-    try: return _checked_values(reward_fn(prompts=prompts, completions=completions, **columns), n)
+    try: return _checked_values(reward_fn(prompts=prompts, completions=completions, **columns), n), []
     except Exception as error: batch_error = error
     # The batch failed: score one completion at a time to find the culprits.
     def one(column: Any, i: int) -> Any:
         return column[i:i + 1] if isinstance(column, (list, tuple)) and len(column) == n else column
-    values, culprits = [], 0
+    values, culprits = [], []
     for i in range(n):
         try:
             row_columns = {key: one(column, i) for key, column in columns.items()}
             values += _checked_values(reward_fn(prompts=one(prompts, i), completions=completions[i:i + 1], **row_columns), 1)
         except Exception as error:
-            on_error(completions[i], error); culprits += 1
+            on_error(completions[i], error); culprits.append(i)
             values.append(0.0)
     if not culprits: on_error(f"<the batch of {n}>", batch_error)  # only the whole batch fails
-    return values
+    return values, culprits
 
 # %% ../nbs/03_tasks.ipynb #cell-029
 class RewardSet:
@@ -267,23 +298,30 @@ class RewardSet:
         "How many times any reward function has failed since this set was made."
         return sum(self.error_counts.values())
 
-    def _report(self, name: str, completion: Any, error: Exception) -> None:
-        "Count a failure of reward function `name` and warn, showing the start of the completion."
+    def _report(self, name: str, completion: Any, error: Exception) -> str:
+        "Count a failure of reward function `name` and warn, showing the start of the completion; returns the message."
         self.error_counts[name] += 1
         try: preview = completion_text(completion)
         except TypeError: preview = repr(completion)
         if len(preview) > COMPLETION_PREVIEW_CHARS: preview = preview[:COMPLETION_PREVIEW_CHARS] + "..."
-        warnings.warn(f"reward function {name!r} raised {type(error).__name__}: {error}; "
-                      f"it scores 0 on completion {preview!r}", RewardFunctionWarning, stacklevel=4)
+        message = f"reward function {name!r} raised {type(error).__name__}: {error}; it scores 0 on completion {preview!r}"
+        warnings.warn(message, RewardFunctionWarning, stacklevel=4)
+        return message
 
     def score(self, prompts: list, completions: list, **columns) -> RewardScores:
-        "Each function's values and the weighted total for every completion; a failing function never raises."
-        per_function = {name: call_reward_safely(reward_fn, prompts, completions, columns,
-                                                 lambda completion, error, name=name: self._report(name, completion, error))
-                        for name, reward_fn in self.functions.items()}
-        total = [sum(self.weights[name] * values[i] for name, values in per_function.items())
-                 for i in range(len(completions))]
-        return RewardScores(total, per_function)
+        """Each function's values and the weighted total for every completion (NaN where no function scored it, TRL's
+        unscorable), and the batch's failures; a failing function never raises."""
+        per_function, failures, scored = {}, [], 0
+        for name, reward_fn in self.functions.items():
+            report = lambda completion, error, name=name: failures.append(self._report(name, completion, error))
+            per_function[name], failed = call_reward_safely(reward_fn, prompts, completions, columns, report)
+            scored += sum(not math.isnan(v) for v in per_function[name]) - len(failed)
+        total = []
+        for i in range(len(completions)):
+            given = [self.weights[name] * values[i] for name, values in per_function.items() if not math.isnan(values[i])]
+            total.append(sum(given) if given else math.nan)
+        unscored = sum(math.isnan(v) for values in per_function.values() for v in values)
+        return RewardScores(total, per_function, len(failures), unscored, scored, failures[0] if failures else None)
 
     def __call__(self, prompts: list, completions: list, **columns) -> list[float]:
         "The weighted totals: a RewardSet is itself a TRL reward function."

@@ -9,6 +9,7 @@ import torch
 
 from jetrl.cli import main
 from jetrl.distributed import check_divisible, choose_backend
+from jetrl.runfolder import LOCK_FILE
 from jetrl.train import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,9 @@ def test_clear_errors_before_launching():
 
 
 def _folder_digest(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    "The run's files and their hashes; the folder's lock file (who last took the folder) aside."
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}
 
 
 def _error_lines(stderr: str) -> list[str]: return [l for l in stderr.splitlines() if l.startswith("jetrl: error:")]

@@ -19,7 +19,8 @@ from jetrl.checkpoints import CheckpointError, load_checkpoint, recover_checkpoi
 from jetrl.rollout import RolloutEngine, SamplingParams
 from jetrl.tasks import (MAX_COMPLETION_CHARS, chain_steps_reward, countdown_reward, countdown_score, format_reward,
                          number_reward, parse_number)
-from jetrl.train import SUPERSEDED_FILE, RunFolderWarning, TrainConfig, read_metrics, train
+from jetrl.runfolder import LOCK_FILE, SUPERSEDED_FILE
+from jetrl.train import RunFolderWarning, TrainConfig, read_metrics, train
 
 SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
@@ -220,7 +221,7 @@ def test_kill_between_the_renames_of_the_swap_resumes_to_the_same_run(model_dir,
     meta = json.loads((out / "checkpoint.old" / "checkpoint.json").read_text()); meta["step"] = 0  # the old one is older
     (out / "checkpoint.old" / "checkpoint.json").write_text(json.dumps(meta))
     resumed = train(config, out, resume=True).history
-    assert [m["step"] for m in resumed] == [0, 1, 2] and sorted(p.name for p in out.iterdir()) == ["checkpoint", "metrics.jsonl"]
+    assert [m["step"] for m in resumed] == [0, 1, 2] and sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) == ["checkpoint", "metrics.jsonl"]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in whole]
 
 
