@@ -17,7 +17,8 @@ from pathlib import Path
 def _interrupted_while_starting(signum, frame):
     "Ctrl-C while the command imports torch: one line, and nothing was written yet."
     print("\njetrl: interrupted while starting; nothing was written.", file=sys.stderr); os._exit(130)
-if Path(sys.argv[0]).name == "jetrl" or sys.argv[0].endswith(os.path.join("jetrl", "cli.py")):   # the command, not an import
+_command = sys.argv[0] if sys.argv else ""
+if Path(_command).name == "jetrl" or _command.endswith(os.path.join("jetrl", "cli.py")):        # the command, not an import
     signal.signal(signal.SIGINT, _interrupted_while_starting)                                       # main() restores Python's
 
 import torch

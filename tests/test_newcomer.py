@@ -73,7 +73,7 @@ CHAT_ROWS = to_chat(ArithmeticTask(digits=1).sample(12))
 
 def test_dataset_check_and_rollout_agree_on_what_a_prompt_is():
     assert dataset_rows(CHAT_ROWS)[0]["prompt"] == [{"role": "user", "content": CHAT_ROWS[0]["prompt"][0]["content"]}]
-    with pytest.raises(ValueError, match="one kind of prompt"): dataset_rows([CHAT_ROWS[0], {"prompt": "text", "answer": "1"}])
+    with pytest.raises(ValueError, match="one kind of prompt"): dataset_rows([CHAT_ROWS[0], dict(CHAT_ROWS[0], prompt="text")])
     with pytest.raises(ValueError, match="chat messages"): dataset_rows([{"prompt": [{"role": "user", "content": 3}]}])
 
 
