@@ -272,7 +272,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 def _is_main_process() -> bool: return int(os.environ.get("RANK", "0")) == 0     # one process, or rank 0 of torchrun (08a)
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGINT, signal.default_int_handler)          # from here a Ctrl-C is a KeyboardInterrupt (_run)
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:   # the command started: from here a Ctrl-C is a
+        signal.signal(signal.SIGINT, signal.default_int_handler)          # KeyboardInterrupt, which _run reports
     args = _parser().parse_args(argv)
     with warnings.catch_warnings():
         warnings.simplefilter("always", RunFolderWarning)
