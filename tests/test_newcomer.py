@@ -244,3 +244,11 @@ def test_vllm_script_keeps_its_venv_and_results_in_the_repository():
     assert subprocess.run(["git", "check-ignore", "-q", ".venv-vllm/"], cwd=ROOT).returncode == 0
     assert 'RESULTS=runs/vllm_cpu.jsonl' in script and "--record) RESULTS=benchmarks/results/vllm_cpu.jsonl" in script
     assert subprocess.run(["bash", str(ROOT / "scripts" / "vllm_cpu.sh"), "--bogus"], cwd=ROOT, capture_output=True).returncode == 2
+
+
+def test_main_runs_outside_the_main_thread(tmp_path, capsys):
+    import threading
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(main(["compare", "--strategies", "jet,jet", "--out", str(tmp_path)])))
+    thread.start(); thread.join()
+    assert codes == [2]
