@@ -118,7 +118,7 @@ def summary(runs: dict[str, list[dict]], window: int = 5, cpu: "dict[str, CpuUse
         notes.append(f"s/step = wall seconds; threads = torch's CPU threads of the {len(cpu_cores())} cores this process may use; "
                      "others = cores other processes kept busy meanwhile")
         busy = [s for s, use in cpu.items() if (use.others_cores or 0) >= BUSY_CORES]
-        if busy: notes.append(f"{', '.join(busy)} (*): the machine was busy, so s/step there measures the load, not the strategy; "
+        if busy: notes.append(f"{', '.join(busy)} (*): the machine was busy, so other processes slowed s/step there; "
                               + ("rerun with fewer --threads, or" if max(use.threads for use in cpu.values()) > 1 else "rerun")
                               + " on an idle machine")
     return "\n".join(lines + [f"({note})" for note in notes])

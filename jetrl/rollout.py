@@ -33,7 +33,7 @@ def _prompt_token_ids(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
     `chat` and the tokenizer has one), else as it is."""
     ids = []
     for i, p in enumerate(prompts):
-        kind = prompt_kind(p)
+        kind = "text" if isinstance(p, str) else "token ids" if isinstance(p, (list, tuple)) and not p else prompt_kind(p)  # empty: 'no tokens' below
         if kind == "token ids": ids.append(list(p)); continue
         if kind is None: raise ValueError(f"prompt {i} is {p!r:.80}: give text, a list of chat messages "
                                           "({'role': str, 'content': str}) or a list of token ids")
