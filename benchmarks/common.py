@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from jetrl.kernels import graph_time_ms      # GPU time from CUDA graph replays; re-exported for the benchmarks
 from jetrl.options import KernelOptions, kernel_options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,35 +61,12 @@ def build(name: str, dtype, device=None):
 
 
 # ---------------------------------------------------------------- timing
-GRAPH_CALLS = 20
 
 
 def synced_clock(device) -> float:
     "time.perf_counter() after the device's queued work is done."
     if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def graph_time_ms(fn, calls: int = GRAPH_CALLS, rounds: int = 3) -> float:
-    """GPU time of one call of `fn` in ms as a CUDA graph replays it: one eager call and two on a side stream (warm-up,
-    as capture wants), `calls` calls captured in one graph, one replay to warm up, then the median of `rounds` replays
-    timed between CUDA events. No host time is counted."""
-    fn(); torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2): fn()
-    torch.cuda.current_stream().wait_stream(side); torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls): fn()
-    graph.replay(); torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); graph.replay(); end.record(); end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def event_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
