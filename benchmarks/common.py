@@ -69,8 +69,8 @@ def synced_clock(device) -> float:
     return time.perf_counter()
 
 
-def event_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    "Median ms of one eager call of `fn` between CUDA events (host launch time included), after `warmup` calls."
+def event_times_ms(fn, iters: int = 20, warmup: int = 3) -> list[float]:
+    "Each of `iters` eager calls of `fn` in ms between CUDA events (host launch time included), after `warmup` calls."
     for _ in range(warmup): fn()
     torch.cuda.synchronize()
     times = []
@@ -78,7 +78,12 @@ def event_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(); fn(); end.record(); end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def event_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    "The median of `event_times_ms`."
+    return statistics.median(event_times_ms(fn, iters, warmup))
 
 
 def peak_gib(fn) -> float:

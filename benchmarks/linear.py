@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import add_output_args, emit, make_row, need_cuda
+from benchmarks.common import add_output_args, emit, event_times_ms, make_row, need_cuda
 from jetrl.linear import convert_to_fp8, get_recipe
 from jetrl.options import use_kernel_options
 
@@ -28,19 +28,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def time_ms(fn, warmup: int, reps: int) -> list[float]:
-    "Per-call times in ms, measured with CUDA events after `warmup` calls."
-    for _ in range(warmup): fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def print_top_kernels(step, title: str, steps: int = 3, top: int = 14):
@@ -131,7 +118,7 @@ def run_all(args, argv):
         y = run(x).detach().float()
         out_sqnr = float(20 * torch.log10(y_ref.norm() / (y_ref - y).norm())) if impl != "torch" else float("inf")
         del y, grads
-        times = time_ms(step, args.warmup, args.reps)
+        times = event_times_ms(step, iters=args.reps, warmup=args.warmup)
         ms = statistics.median(times)
         if impl == "torch": bf16_ms = ms
         row = dict(impl=impl, recipe=recipe, ms=round(ms, 3), ms_min=round(min(times), 3),
