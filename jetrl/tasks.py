@@ -427,7 +427,7 @@ class ArithmeticTask(Task):
                 "answer_format": self.answer_format, "expression": expression}
 
 # %% ../nbs/03_tasks.ipynb #cell-042
-MAX_STEPS = 256          # chains long enough for worked solutions of thousands of tokens (~10 a step)
+MAX_STEPS = 256          # chains long enough for worked solutions of thousands of tokens (~11 a step)
 CHAIN_STEPS_WEIGHT = 0.5
 STEP_WORDS = {"+": "add {}", "-": "subtract {}", "*": "multiply by {}"}
 

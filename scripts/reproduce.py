@@ -318,7 +318,7 @@ GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # a 2,000-step SFT of this base was at loss 0.006 by step 1500 and 0.0036 over its last 100
 GPU_LR = 2e-5
 # The long preset: a worked step is ~11 tokens of this tokenizer, so 200-step chains give worked solutions of ~2,180
-# tokens (`worked_tokens`); the prompt lists the 200 moves (~800 tokens). Its rows per step are half the gpu preset's
+# tokens (`worked_tokens`); the prompt lists the 200 moves (604 tokens on average, measured the same way). Its rows per step are half the gpu preset's
 # so that a run's 30 steps fit one device call (a run's checkpoint is too large to carry between calls unfinished).
 LONG_CHAIN_STEPS = 200
 LONG_NEW_TOKENS = 2560
