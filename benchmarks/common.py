@@ -23,6 +23,9 @@ RANDOM_MODELS = {  # Qwen2-0.5B's shape and Qwen2-7B's (26 of its 28 layers: wha
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=26, num_attention_heads=28,
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Llama-3-8B's shape, all 32 layers: the long-rollout shape (64 rows of ~5,000 tokens fit beside it)
+    "llama3-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
 }
 # (N_out, K_in) of each linear of a Qwen2 layer; q/k/v and gate/up also fused (weights concatenated along N)
 LINEAR_SHAPES = {
@@ -36,9 +39,10 @@ TRAINER_TOKENS = 16 * 640          # one training micro-batch of the GRPO step: 
 
 def random_model_config(name: str, **overrides):
     "The transformers config of a named random shape (`RANDOM_MODELS`), with `overrides` (e.g. num_hidden_layers)."
-    from transformers import Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[RANDOM_MODELS[name]["family"]]
     cfg = {k: v for k, v in RANDOM_MODELS[name].items() if k != "family"} | overrides
-    return Qwen2Config(**cfg, eos_token_id=0, pad_token_id=0)
+    return config_class(**cfg, eos_token_id=0, pad_token_id=0)
 
 
 def build(name: str, dtype, device=None):
@@ -48,12 +52,12 @@ def build(name: str, dtype, device=None):
     if name not in RANDOM_MODELS:
         from jetrl.policy import load_model_and_tokenizer
         return load_model_and_tokenizer(name, dtype)
-    from transformers import Qwen2ForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
     config = random_model_config(name)
     torch.manual_seed(0)
     with torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")):
-        model = Qwen2ForCausalLM(config).to(dtype)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
                                         eos_token="t0", pad_token="t0")

@@ -66,6 +66,7 @@ class Policy:
         self.model = convert_to_fp8(model.to(device=device, dtype=dtype), self.spec.train_recipe, _keep_filter(self.spec))
         # the kernels both sides share: row-invariant RMSNorm always; with `exact`, matmul and attention too (GPU)
         use_invariant_kernels(self.model, exact)
+        self.model.jetrl_kv_fp8 = self.spec.kv_fp8           # read by the forward both sides run (`jetrl.forward`)
         self.tokenizer, self.device, self.dtype = tokenizer, device, dtype
         self.rollout_model = self.model if self.spec.shared_weights else build_rollout_copy(self.model, self.spec.rollout_recipe)
         self.last_sync: SyncReport | None = None

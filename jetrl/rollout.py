@@ -205,7 +205,7 @@ class StaticDecoder:
         weight = model.model.embed_tokens.weight
         self.fused = fused                                     # q/k/v and gate/up as one GEMM each (FusedProjection)
         self.model, self.device = model, weight.device
-        self.cache = StaticKVCache.allocate(model, rows, capacity, self.device, weight.dtype)
+        self.cache = StaticKVCache.allocate(model, rows, capacity, self.device, weight.dtype, kv_fp8=getattr(model, "jetrl_kv_fp8", False))
         self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)        # the graphs' inputs live here
         self.positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -405,6 +405,10 @@ class RolloutEngine:
         if cache_implementation == "static" and why_not:
             raise ValueError(f"cache_implementation='static' cannot run this model: {why_not}. Use 'dynamic' (or 'auto').")
         self.cache_implementation = "dynamic" if cache_implementation == "dynamic" or why_not else "static"
+        if self.cache_implementation == "dynamic" and getattr(self.model, "jetrl_kv_fp8", False):
+            raise ValueError("This policy keeps keys and values in FP8 (kv_fp8), which only the engine's static-cache forward "
+                             f"stores: {why_not or 'cache_implementation is dynamic'}. Use cache_implementation='auto' on a "
+                             "Llama/Qwen2/Qwen3/Mistral model, or a strategy without kv_fp8.")
         if compile and getattr(self.model, "jetrl_exact", False):
             raise ValueError("compile=True fuses the step's kernels differently from the trainer's forward, so an exact policy "
                              "(Policy(..., exact=True)) would no longer match its trainer bit for bit: use compile=False.")
@@ -449,7 +453,9 @@ class RolloutEngine:
         fuse = self.fuses_projections()
         if fuse: refresh_fused_projections(model)                # the side-by-side weights too, after the caches
         capacity = -(-columns // CAPACITY_BLOCK) * CAPACITY_BLOCK
-        if self._static is None or self._static.model is not model or not self._static.fits(rows, capacity):
+        kv_fp8 = getattr(model, "jetrl_kv_fp8", False)
+        if (self._static is None or self._static.model is not model or not self._static.fits(rows, capacity)
+                or self._static.cache.kv_fp8 != kv_fp8):
             self._static = StaticDecoder(model, rows, capacity, self.cuda_graphs, self.compile, fuse)
         fingerprint = weights_fingerprint(model)
         if fingerprint != self._static.fingerprint: self._static.drop_graphs(); self._static.fingerprint = fingerprint

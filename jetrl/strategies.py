@@ -25,6 +25,7 @@ class PrecisionSpec:
     hp_dtype: str | None = None                    # high precision: 'bfloat16' | 'float16' | 'float32'; None = bf16 on GPU, fp32 on CPU
     tis_cap: float | None = None                   # truncated importance sampling cap C for the loss (None: off)
     keep_high_precision: tuple[str, ...] = ("lm_head",)   # module names (last part) never quantized
+    kv_fp8: bool = False                           # keys and values in FP8 on both sides (e4m3, a scale per token and head)
 
     def __post_init__(self):
         object.__setattr__(self, "train_recipe", get_recipe(self.train_recipe))
@@ -61,6 +62,8 @@ STRATEGIES = {
     "fp8-rollout": PrecisionSpec("fp8-rollout", rollout_recipe=RECIPES["blockwise"], shared_weights=False),
     "fp8-rollout-tis": PrecisionSpec("fp8-rollout-tis", rollout_recipe=RECIPES["blockwise"], shared_weights=False, tis_cap=2.0),
     "jet": PrecisionSpec("jet", train_recipe=RECIPES["blockwise"], rollout_recipe=RECIPES["blockwise"]),
+    # jet with the KV cache in FP8 too: half the bytes a long decode step reads, the same quantizer on both sides
+    "jet-fp8kv": PrecisionSpec("jet-fp8kv", train_recipe=RECIPES["blockwise"], rollout_recipe=RECIPES["blockwise"], kv_fp8=True),
     "fp16": PrecisionSpec("fp16", hp_dtype="float16"),
     # rowwise variants: what vLLM runs in FP8 on any CPU (per-channel weights, per-token activations)
     "jet-rowwise": PrecisionSpec("jet-rowwise", train_recipe=RECIPES["rowwise"], rollout_recipe=RECIPES["rowwise"]),

@@ -68,6 +68,10 @@ def _cpu_has_amx_fp8() -> bool:
 
 def vllm_unsupported(policy: Policy, device: "str | torch.device | None" = None) -> str | None:
     "Why vLLM cannot run `policy`'s rollout side as jetrl computes it on `device` (None when it can): the reason and the fix."
+    if policy.spec.kv_fp8:
+        return (f"strategy {policy.spec.name!r} keeps keys and values in FP8 with one scale per token and head, quantized where "
+                "the trainer quantizes them; vLLM's FP8 KV cache scales per tensor inside its attention kernels: use jetrl's "
+                "engine (backend 'jetrl') for it, or a strategy without kv_fp8.")
     fmt, device = vllm_format(policy.spec.rollout_recipe), torch.device(device or policy.device)
     dtype_name = str(policy.dtype).removeprefix("torch.")
     fp8 = rollout_linears(policy)

@@ -363,6 +363,49 @@ def test_default_jet_engine_equals_trainer_bitwise_fused_or_not(capsys):
 
 
 @cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_decode_attention_equals_trainer_at_every_column(head_dim):
+    """Decode's attention (the heads of a key/value head as rows, the key splits in parallel, then merged) gives every
+    column's query the trainer's bits: ragged left padding, every column across three split boundaries, BF16 and FP8
+    keys and values. The KV quantizer's bytes equal the CPU quantizer's."""
+    from jetrl.kernels.attention import KEY_SPLIT, KVCodes, attend, quantize_kv, quantize_kv_torch
+    from jetrl.forward import first_valid_column
+    torch.manual_seed(0)
+    T = 3 * KEY_SPLIT + 77
+    q = torch.randn(4, 8, T, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 2, T, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    valid = torch.ones(4, T, dtype=torch.bool, device="cuda")
+    for row, pads in enumerate([0, 37, KEY_SPLIT + 5, 900]): valid[row, :pads] = False
+    start, columns = first_valid_column(valid), torch.arange(T, device="cuda")
+    codes = KVCodes(*quantize_kv(k), *quantize_kv(v))
+    for name, (kk, vv, cc) in {"bf16": (k, v, None), "fp8": (None, None, codes)}.items():
+        trainer = attend(q, kk, vv, columns, valid, head_dim ** -0.5, True, start, cc)
+        decode = torch.cat([attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, head_dim ** -0.5, True, start, cc)
+                            for c in range(T)], dim=2)
+        differ = (decode != trainer).any(-1).any(1)                     # (rows, columns) where any head differs
+        assert not differ.any(), f"{name}: {int(differ.sum())} of {differ.numel()} (row, column) queries differ"
+        assert not trainer.isnan().any()
+    for t, (data, scale) in ((k, (codes.k, codes.k_scale)), (v, (codes.v, codes.v_scale))):
+        data_cpu, scale_cpu = quantize_kv_torch(t.cpu())
+        assert torch.equal(data.cpu().view(torch.uint8), data_cpu.view(torch.uint8)) and torch.equal(scale.cpu(), scale_cpu)
+
+
+@cuda
+@pytest.mark.parametrize("strategy", ["jet", "jet-fp8kv"])
+def test_long_rollout_engine_equals_trainer_bitwise(strategy, capsys):
+    """jet and jet-fp8kv (FP8 KV cache on both sides), default kernels, at depth and length: 24 layers of the 0.5B
+    shape, 16 ragged prompts x 2, 1,024 new tokens (three key splits): every log-prob equals the trainer's."""
+    from jetrl.rollout import SamplingParams
+    policy = _qwen2_05b_policy(strategy, exact=False)
+    params = SamplingParams(n=2, max_new_tokens=1024, seed=0, ignore_eos=True)
+    gap, rollout, engine = _gaps(policy, _ragged_prompts(16), params)
+    assert engine._static.cache.kv_fp8 == (strategy == "jet-fp8kv")
+    with capsys.disabled():
+        print(f"\n{strategy}: {gap.numel()} tokens, max gap {float(gap.max()):.1e}, exact {float((gap == 0).float().mean()):.2%}")
+    assert gap.numel() == 32 * 1024 and float(gap.max()) == 0.0
+
+
+@cuda
 def test_exact_trainer_micro_batch_of_one_row_equals_64_rows():
     "The trainer's log-probs of a row are the same bits whether it runs alone or with 63 others."
     from jetrl.policy import token_log_probs

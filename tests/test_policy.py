@@ -100,7 +100,8 @@ def test_strategy_modules(name, family, tie):
     train_linears = fp8_modules(policy.model)
     assert len(train_linears) == N_LINEARS
     assert {m.recipe for m in train_linears.values()} == {spec.train_recipe}
-    assert spec.train_recipe == {"jet": RECIPES["blockwise"], "jet-rowwise": RECIPES["rowwise"]}.get(name, RECIPES["bf16"])
+    assert spec.train_recipe == {"jet": RECIPES["blockwise"], "jet-fp8kv": RECIPES["blockwise"],
+                                 "jet-rowwise": RECIPES["rowwise"]}.get(name, RECIPES["bf16"])
     assert type(policy.model.lm_head) is nn.Linear
     assert policy.dtype == {"fp16": torch.float16}.get(name, torch.float32)          # CPU: fp32 unless asked
     assert {p.dtype for p in policy.model.parameters()} == {policy.dtype}
@@ -127,7 +128,7 @@ def test_tis_strategy_is_fp8_rollout_plus_the_cap():
 # FP8 GEMMs per forward (training forward with grad, rollout forward) and in the training backward
 EXPECTED_GEMMS = {"bf16": (0, 0, 0), "fp16": (0, 0, 0), "fp8-rollout": (0, N_LINEARS, 0), "fp8-rollout-tis": (0, N_LINEARS, 0),
                   "fp8-rollout-rowwise": (0, N_LINEARS, 0), "jet-rowwise": (N_LINEARS, N_LINEARS, 2 * N_LINEARS),
-                  "jet": (N_LINEARS, N_LINEARS, 2 * N_LINEARS)}     # jet backward: Dgrad and Wgrad per linear
+                  "jet": (N_LINEARS, N_LINEARS, 2 * N_LINEARS), "jet-fp8kv": (N_LINEARS, N_LINEARS, 2 * N_LINEARS)}   # jet backward: Dgrad and Wgrad per linear
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_strategy_gemms(name, monkeypatch):
