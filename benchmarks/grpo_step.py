@@ -2,8 +2,8 @@
 
     python -m benchmarks grpo_step --model qwen2-7b --strategies bf16,jet --prompts 16 --micro-batch 16 \
         --out benchmarks/results/grpo_step_h200.jsonl
-    python -m benchmarks grpo_step --model qwen2-0.5b --strategies bf16,jet --cuda-graphs \
-        --out benchmarks/results/grpo_step_h200.jsonl      # the trainer's log-probs from CUDA graphs (host-bound at 0.5B)
+    python -m benchmarks grpo_step --model qwen2-0.5b --strategies bf16,jet --no-cuda-graphs \
+        --out benchmarks/results/grpo_step_h200.jsonl      # the eager trainer (host-bound at 0.5B; graphs are the default)
     python -m benchmarks grpo_step --model qwen2-7b --strategies jet --prompts 16 --micro-batch 16 \
         --kernels gluon_decode=false                       # one kernel choice against the default
     torchrun --standalone --nproc-per-node 1 -m benchmarks grpo_step --distributed ...   # FSDP2 over the ranks
@@ -85,8 +85,9 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine runs q/k/v and gate/up as one GEMM each (default: RolloutEngine's, on a GPU on)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="the trainer's log-probs (no grad, and forward + backward) replayed from CUDA graphs (GraphedLogProbs)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="the trainer's log-probs (no grad, and forward + backward) replayed from CUDA graphs (GraphedLogProbs); "
+                        "default as jetrl.train: on in one process, off under --distributed")
     p.add_argument("--entropy", action="store_true",
                    help="the old log-probs with each position's entropy, as jetrl.train computes them (its metric and "
                         "top-entropy mask)")
@@ -97,6 +98,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.cuda_graphs and args.distributed:
         p.error("--cuda-graphs replays kernels, not FSDP's hooks: run it without --distributed")
+    if args.cuda_graphs is None: args.cuda_graphs = not args.distributed          # jetrl.train's default
     with use_kernel_options(args.kernels):
         run_all(args, argv)
 

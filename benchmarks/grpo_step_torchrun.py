@@ -27,7 +27,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     common = SHAPE + ["--steps", str(args.steps), "--strategies", args.strategies] + args.rest
     if args.out: common += ["--out", args.out]
-    commands = {"single": [sys.executable, "-m", "benchmarks", "grpo_step", *common],
+    # the same trainer on both sides: eager (graphs replay kernels, not FSDP's hooks)
+    commands = {"single": [sys.executable, "-m", "benchmarks", "grpo_step", "--no-cuda-graphs", *common],
                 "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                              str(args.nproc), "-m", "benchmarks", "grpo_step", "--distributed", *common]}
     for part in args.parts.split(","):

@@ -217,9 +217,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--exact", action="store_true",
                        help="GPU: batch-invariant kernels for every op, so the rollout's log-probs equal the trainer's bit for bit "
                             "(jet is already exact by default; bf16 pays ~1.4x on the rollout)")
-        s.add_argument("--cuda-graphs", action="store_true",
-                       help="GPU: replay the trainer's log-probs and backward from CUDA graphs (saves the host's launch time "
-                            "of a small model; not under torchrun)")
+        s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="GPU: the trainer's log-probs and backward from CUDA graphs (default: on where they run, one "
+                            "process on a GPU; --no-cuda-graphs for the eager trainer)")
         s.add_argument("--out", required=True, help="output folder")
         s.add_argument("--resume", action="store_true", help="continue the run in --out after its last checkpoint")
     return p

@@ -477,9 +477,9 @@ def train_distributed(config: TrainConfig, out_dir: "str | Path | None" = None, 
                       dataset=None, reward_funcs=None, sync_format: str = "fp8") -> Run:
     """`train()` on every rank of a torchrun launch. Rank 0 writes metrics.jsonl and calls the callbacks (a callback
     returning False stops every rank after the step); every rank writes its checkpoint shards."""
-    if config.cuda_graphs:                                       # checked before any process group is made
+    if config.cuda_graphs is True:                               # checked before any process group is made
         raise ValueError("cuda_graphs replays the trainer's kernels, not FSDP's hooks (which gather each layer's weights): "
-                         "train without cuda_graphs (--cuda-graphs) under torchrun.")
+                         "train with cuda_graphs=False (--no-cuda-graphs) under torchrun.")
     world, run = init_world(sync_format=sync_format), None
     previous = signal.getsignal(signal.SIGTERM)
     def stopped_by_launcher(signum, frame): raise RankLostError(_stop_message(world, run) + " (SIGTERM from the launcher)")

@@ -161,9 +161,24 @@ def test_cuda_graphs_on_the_cpu_is_refused_before_anything_is_written(model_dir,
     "--cuda-graphs (TrainConfig.cuda_graphs) on a CPU: a clear error saying to drop it, and no run folder made."
     out = tmp_path / "graphs"
     assert main(["train", "--model", model_dir, *SMALL, "--out", str(out), "--cuda-graphs"]) == 2
-    assert "train without cuda_graphs (--cuda-graphs)" in capsys.readouterr().err and not out.exists()
+    assert "(--no-cuda-graphs)" in capsys.readouterr().err and not out.exists()
     with pytest.raises(ValueError, match="this run trains on the cpu"):
         train(TrainConfig(model=model_dir, steps=1, cuda_graphs=True))
+
+
+def test_trainer_graphs_default_on_where_they_run_eager_elsewhere(model_dir, capsys):
+    """TrainConfig.cuda_graphs None (the default): GraphedLogProbs where the model is on a GPU, the eager trainer on a
+    CPU without a word (nothing to save there); True where they cannot run is GraphedLogProbs' error; False is off."""
+    from jetrl.train import trainer_graphs
+    from jetrl.logprobs import GraphedLogProbs
+    assert TrainConfig().cuda_graphs is None
+    model = torch.nn.Linear(2, 2)
+    assert trainer_graphs(model, None) is None and trainer_graphs(model, False) is None
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="captures CUDA graphs, and this model is on cpu"):
+        trainer_graphs(model, True)
+    if torch.cuda.is_available():
+        assert isinstance(trainer_graphs(model.cuda(), None), GraphedLogProbs) and trainer_graphs(model, False) is None
 
 
 def test_cuda_graphs_under_torchrun_is_refused_first():
