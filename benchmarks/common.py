@@ -25,7 +25,8 @@ RANDOM_MODELS = {  # Qwen2-0.5B's shape and Qwen2-7B's (26 of its 28 layers: wha
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     # Llama-3-8B's shape, all 32 layers: the long-rollout shape (64 rows of ~5,000 tokens fit beside it)
     "llama3-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                      max_position_embeddings=131072),
 }
 # (N_out, K_in) of each linear of a Qwen2 layer; q/k/v and gate/up also fused (weights concatenated along N)
 LINEAR_SHAPES = {
