@@ -14,6 +14,7 @@ __all__ = ['TIMEOUT_ENV', 'DEFAULT_TIMEOUT_S', 'SYNC_FORMATS', 'choose_backend',
 # %% ../nbs/08a_distributed.ipynb #dc194026
 import atexit, copy, json, os, random, shutil, signal, time, warnings
 from dataclasses import dataclass
+from functools import partial
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -29,8 +30,9 @@ from .policy import Policy, SyncReport, build_rollout_copy, load_model_and_token
 from .checkpoints import CHECKPOINT_VERSION, check_checkpoint_launch, check_model_identity, model_identity, recover_checkpoint, _sibling, _fsync
 from .rollout import RolloutEngine
 from .tasks import RewardScores
-from .train import (TrainConfig, Run, OneProcess, launched_by_torchrun, check_divisible, rank_block, grpo_step,
-                         task_and_rewards, reward_record, resolve_strategy, _lr_lambda)
+from .train import (TrainConfig, Run, OneProcess, AllRewardsFailedError, launched_by_torchrun, check_divisible, rank_block,
+                         grpo_step, checkpoint_due, stop_after_failed_rewards, task_and_rewards, reward_record, resolve_strategy,
+                         _lr_lambda)
 from .runfolder import (METRICS_FILE, CHECKPOINT_DIR, RunFolderPlan, append_line, lock_run_folder, plan_run_folder,
                              open_run_log)
 
@@ -472,11 +474,17 @@ def _stop_message(world: World, run: Run | None) -> str:
     where = "" if run is None or run.out_dir is None else f"; the last checkpoint in {run.out_dir} is whole: run the same command with --resume"
     return f"rank {world.rank} of {world.size} stopped: another rank failed or was stopped (its error is above){where}"
 
+def _checkpoint_step(run: Run, world: World, step: int, metrics: dict | None):
+    "Every rank saves its shards of the run after `step` (a collective); rank 0 gives the step's metrics line."
+    save_distributed_checkpoint(run.out_dir / CHECKPOINT_DIR, run.policy, run.optimizer, step, world,
+                                extra={"config": run.config.to_dict(), "metrics": metrics})
+
 def train_distributed(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool = False,
                       callbacks: list[Callable[[dict], None]] = (), policy: Policy | None = None, progress: bool = False,
                       dataset=None, reward_funcs=None, sync_format: str = "fp8") -> Run:
     """`train()` on every rank of a torchrun launch. Rank 0 writes metrics.jsonl and calls the callbacks (a callback
-    returning False stops every rank after the step); every rank writes its checkpoint shards."""
+    returning False stops every rank after the step); every rank writes its checkpoint shards. A step whose every
+    reward fails stops every rank as `train` stops (08_train's `stop_after_failed_rewards`: the steps before it saved)."""
     if config.cuda_graphs is True:                               # checked before any process group is made
         raise ValueError("cuda_graphs replays the trainer's kernels, not FSDP's hooks (which gather each layer's weights): "
                          "train with cuda_graphs=False (--no-cuda-graphs) under torchrun.")
@@ -490,17 +498,20 @@ def train_distributed(config: TrainConfig, out_dir: "str | Path | None" = None, 
         if progress and world.is_main:
             from tqdm.auto import tqdm
             steps = tqdm(steps, desc=f"{run.config.strategy} x{world.size}", initial=run.start_step, total=run.config.steps)
+        checkpoint, unsaved = partial(_checkpoint_step, run, world), None    # unsaved: a logged step not checkpointed
         for step in steps:
-            metrics = grpo_step(run, step, world)
+            try: metrics = grpo_step(run, step, world)                     # None on ranks other than 0
+            except AllRewardsFailedError as e: raise _on_every_rank(stop_after_failed_rewards(run, e, step, unsaved, checkpoint)) from None
             stop = False
             if world.is_main:
                 run.history.append(metrics)
                 if run.out_dir is not None: append_line(run.out_dir / METRICS_FILE, json.dumps(metrics))
                 if progress: steps.set_postfix(reward=f"{metrics['reward']:.2f}", mismatch=f"{metrics['mismatch/kl_k3']:.1e}")
                 stop = any(cb(metrics) is False for cb in callbacks)
-            if run.out_dir is not None and ((step + 1) % run.config.save_every == 0 or step + 1 == run.config.steps):
-                save_distributed_checkpoint(run.out_dir / CHECKPOINT_DIR, run.policy, run.optimizer, step, world,
-                                            extra={"config": run.config.to_dict(), "metrics": metrics})
+            if run.out_dir is not None:
+                due = checkpoint_due(run.config, step)
+                if due: checkpoint(step, metrics)
+                unsaved = None if due else (step, metrics)
             if world.broadcast_from_main(stop): break
         return run
     except RuntimeError as e:

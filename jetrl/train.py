@@ -9,11 +9,13 @@ __all__ = ['ROLLOUT_BACKENDS', 'STARTER_KNOBS', 'TrainConfig', 'make_task', 'tas
            'MasterWeightAdamW', 'make_optimizer', 'Run', 'resolve_strategy', 'start_run', 'trainer_graphs',
            'rollout_engine', 'row_streams', 'launched_by_torchrun', 'OneProcess', 'check_divisible', 'rank_block',
            'completion_ids', 'contributing_mask', 'trainer_log_probs', 'optimize', 'AllRewardsFailedError',
-           'check_scored', 'grpo_step', 'train', 'step_metrics', 'token_samples', 'save_step', 'checkpoint_step']
+           'check_scored', 'grpo_step', 'train', 'stop_after_failed_rewards', 'step_metrics', 'token_samples',
+           'save_step', 'checkpoint_due', 'checkpoint_step']
 
 # %% ../nbs/08_train.ipynb #710b095e
 import copy, json, math, os, random, sys, time, warnings
 from dataclasses import dataclass, asdict, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 import torch
@@ -453,8 +455,9 @@ def check_scored(scores: RewardScores, step: int, world: "OneProcess") -> None:
     "Raise AllRewardsFailedError on every process if no completion of the step (on any process) got a score."
     scored, errors, unscored = world.sum([scores.scored, scores.errors, scores.unscored]).tolist()
     if scored > 0: return
+    first_error = next(filter(None, world.broadcast_from_main(world.gather_to_main(scores.first_error))), None)   # the same on every process
     raise AllRewardsFailedError(f"every reward of step {step} failed ({int(errors)} error(s), {int(unscored)} None or NaN value(s)"
-                                f"{'; ' + scores.first_error if scores.first_error else ''}). The run stopped rather than train on "
+                                f"{'; ' + first_error if first_error else ''}). The run stopped rather than train on "
                                 "zeros: fix the reward function(s), then run the same command with --resume (resume=True).")
 
 # %% ../nbs/08_train.ipynb #b1c3ac3c
@@ -502,7 +505,7 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
             steps = tqdm(steps, desc=f"{run.config.strategy}", initial=run.start_step, total=run.config.steps)
         for step in steps:
             try: metrics = grpo_step(run, step)
-            except AllRewardsFailedError as e: raise _stopped(run, e, unsaved) from None
+            except AllRewardsFailedError as e: raise stop_after_failed_rewards(run, e, step, unsaved, partial(checkpoint_step, run)) from None
             run.history.append(metrics)
             if run.out_dir is not None: unsaved = None if save_step(run, step, metrics) else (step, metrics)
             if progress: steps.set_postfix(reward=f"{metrics['reward']:.2f}", mismatch=f"{metrics['mismatch/kl_k3']:.1e}")
@@ -511,12 +514,15 @@ def train(config: TrainConfig, out_dir: "str | Path | None" = None, resume: bool
     finally:
         if run.folder_lock is not None: run.folder_lock.release()
 
-def _stopped(run: Run, error: AllRewardsFailedError, unsaved: tuple | None) -> AllRewardsFailedError:
-    "The error, after checkpointing the last finished step if it was not yet, saying what the folder holds."
+def stop_after_failed_rewards(run: Run, error: AllRewardsFailedError, step: int, unsaved: tuple | None,
+                              checkpoint: Callable[[int, dict | None], None]) -> AllRewardsFailedError:
+    """The error that stops a run at `step` (every reward failed), raised once the steps before it are saved:
+    `checkpoint(step, metrics)` saves `unsaved`, the (step, metrics) of the last step logged and not yet checkpointed,
+    if any. The message says what the folder holds. `train` checkpoints with `checkpoint_step`;
+    `jetrl.distributed.train_distributed` with every rank's shards."""
     if run.out_dir is None: return error
-    if unsaved is not None: checkpoint_step(run, *unsaved)
-    done = run.history[-1]["step"] if run.history else None
-    held = f"steps up to {done} are saved in {run.out_dir}" if done is not None else f"{run.out_dir} holds no step and can be used again"
+    if unsaved is not None: checkpoint(*unsaved)
+    held = f"steps up to {step - 1} are saved in {run.out_dir}" if step > 0 else f"{run.out_dir} holds no step and can be used again"
     return AllRewardsFailedError(f"{error} ({held}.)")
 
 # %% ../nbs/08_train.ipynb #87f8f402
@@ -565,9 +571,13 @@ def save_step(run: Run, step: int, metrics: dict) -> bool:
     """Append the step's metrics (one synced write); checkpoint every `save_every` steps and at the last step, with a
     copy of the step's line (a resume restores the line from it if the log lost it). Returns whether it checkpointed."""
     append_line(run.out_dir / METRICS_FILE, json.dumps(metrics))
-    due = (step + 1) % run.config.save_every == 0 or step + 1 == run.config.steps
+    due = checkpoint_due(run.config, step)
     if due: checkpoint_step(run, step, metrics)
     return due
+
+def checkpoint_due(config: TrainConfig, step: int) -> bool:
+    "Whether a run checkpoints after `step`: every `save_every` steps, and at the last step."
+    return (step + 1) % config.save_every == 0 or step + 1 == config.steps
 
 def checkpoint_step(run: Run, step: int, metrics: dict):
     "Checkpoint the run after `step`, naming the model that wrote it, with the step's metrics line."

@@ -1,6 +1,7 @@
 """The distributed path on the CPU (gloo, 2 processes): a torchrun run of `jetrl train` equals the single-process run,
 resumes after a kill to the same weights, keeps the trainer's FP8 bytes on every rank, and a rank that dies stops
-the others with a message; a checkpoint given to the wrong launcher is one clear error; FSDP2 over one rank quantizes
+the others with a message; a step whose every reward fails stops every rank as one process stops, after saving the
+steps before it; a checkpoint given to the wrong launcher is one clear error; FSDP2 over one rank quantizes
 the weights as often as one process. Each launch starts two Python processes: tens of seconds on 2 cores."""
 import hashlib, json, os, shlex, signal, socket, subprocess, sys, time
 from pathlib import Path
@@ -95,6 +96,33 @@ def test_resume_after_kill_on_two_ranks(two_rank_run, tmp_path):
     resumed, uninterrupted = _final_weights(out), _final_weights(two_rank_run)
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), "resumed weights differ"
+
+
+GRADED_REWARD = """\
+import os
+def graded(prompts, completions, trainer_state, **kwargs):
+    "1 or 0 by position; from step FAIL_FROM on (when set) it raises: the grader is down."
+    if trainer_state.global_step >= int(os.environ.get("FAIL_FROM", 10**9)): raise RuntimeError("the grader is down")
+    return [float(i % 2) for i in range(len(completions))]
+"""
+
+
+def test_every_reward_failing_on_two_ranks_stops_like_one_process_and_resumes(tmp_path):
+    "Rewards that all fail from step 2: one error line, steps 0-1 checkpointed although none was due, a resume goes on."
+    out, reward = tmp_path / "run", tmp_path / "graded.py"
+    reward.write_text(GRADED_REWARD)
+    command = _torchrun("-m", "jetrl.cli", "train", *RUN, "--steps", "4", "--save-every", "10", "--reward", f"{reward}:graded",
+                        "--out", str(out))
+    done = subprocess.run(command, env=_env(FAIL_FROM="2"), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    errors = _error_lines(done.stderr)
+    assert done.returncode != 0 and len(errors) == 1 and "jetrl/train.py" not in done.stderr, done.stderr[-3000:]
+    assert "every reward of step 2 failed" in errors[0] and "the grader is down" in errors[0], errors[0]
+    assert f"steps up to 1 are saved in {out}" in errors[0] and "--resume" in errors[0], errors[0]
+    assert [m["step"] for m in read_metrics(out)[1]] == [0, 1]
+    assert json.loads((out / "checkpoint" / "checkpoint.json").read_text())["step"] == 1      # saved on the stop (due at 9)
+    done = subprocess.run(command + ["--resume"], env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(out)[1]] == [0, 1, 2, 3] and not (out / "metrics.superseded.jsonl").exists()
 
 
 def _free_port() -> int:
