@@ -36,7 +36,7 @@ from .rollout import RolloutEngine
 from .vllm_backend import VLLMEngine
 from .tasks import Task, RewardSet, RewardScores, combine_rewards, get_task
 from .data import (DatasetTask, SEED_STRIDE, reward_prompts_completions, check_reward_function, check_task, dataset_rows, describe_task,
-                        load_reward_function, reward_arguments, reward_name, step_rows)
+                        load_reward_function, reward_arguments, reward_name, seed_problem, step_rows)
 
 # %% ../nbs/08_train.ipynb #8537122e
 ROLLOUT_BACKENDS = ("jetrl", "vllm")
@@ -60,7 +60,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 0                  # rows per backward pass (gradient accumulation); 0 = all at once
     format_weight: float = 0.1
-    seed: int = 0
+    seed: int = 0                              # 0 to MAX_SEED (jetrl.data)
     save_every: int = 1                        # checkpoint every N steps (the last step always)
     position_bucket: int = 8                   # token-position buckets of the mismatch-by-position metric
     record_samples: int = 4                    # completions per step kept token by token (for the token viewer)
@@ -82,6 +82,7 @@ class TrainConfig:
                   (self.max_grad_norm > 0, f"max_grad_norm must be > 0 (inf: no clipping), got {self.max_grad_norm}"),
                   (finite(self.weight_decay) and self.weight_decay >= 0, f"weight_decay must be a finite number >= 0, got {self.weight_decay}"),
                   (finite(self.format_weight), f"format_weight must be a finite number, got {self.format_weight}"),
+                  (seed_problem(self.seed) is None, f"seed {seed_problem(self.seed)}"),
                   (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
                   (self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'"),
                   (self.micro_batch_size >= 0, "micro_batch_size must be >= 0"), (self.save_every >= 1, "save_every must be >= 1"),

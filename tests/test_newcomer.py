@@ -15,7 +15,7 @@ import torch
 
 import jetrl.cli as cli_module
 from jetrl.cli import COMPARE_SAVE_EVERY, CpuUse, _parser, default_threads, main, summary
-from jetrl.data import dataset_rows, read_jsonl
+from jetrl.data import MAX_SEED, dataset_rows, read_jsonl
 from jetrl.policy import Policy, load_model_and_tokenizer
 from jetrl.rollout import RolloutEngine
 from jetrl.sampling import SamplingParams
@@ -191,6 +191,26 @@ def test_seed_and_task_are_refused_with_their_range(tmp_path, capsys, args, expe
     line = one_error_line(capsys)
     assert expected in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("seed", [-1, MAX_SEED + 1, 2**64])
+def test_train_config_refuses_the_seeds_the_cli_refuses_with_the_same_message(seed, tmp_path, capsys):
+    with pytest.raises(ValueError) as error: TrainConfig(seed=seed)
+    reason = str(error.value).removeprefix("seed ").removesuffix(" (TrainConfig).")
+    assert reason == f"must be from 0 to {MAX_SEED} (2**32 - 1), got {seed}", error.value
+    with pytest.raises(SystemExit): main(["train", "--seed", str(seed), "--out", str(tmp_path / "run")])
+    assert one_error_line(capsys).endswith(f"--seed: {reason}")
+    assert TrainConfig(seed=MAX_SEED).seed == MAX_SEED
+
+
+def test_train_config_refuses_a_seed_that_is_not_a_whole_number():
+    for seed in (1.5, "3", True, None):
+        with pytest.raises(ValueError, match="seed must be a whole number"): TrainConfig(seed=seed)
+
+
+def test_max_seed_is_defined_once():
+    defined = [path.name for path in sorted((ROOT / "jetrl").glob("*.py")) if "\nMAX_SEED = " in path.read_text()]
+    assert defined == ["data.py"] and cli_module.MAX_SEED == MAX_SEED == 2**32 - 1, defined
 
 
 def test_compare_refuses_a_strategy_given_twice(tmp_path, capsys):
