@@ -258,6 +258,17 @@ def test_readme_says_the_browser_test_needs_chromium():
     assert "Chromium" in readme and "tests/test_browser.py" in readme
 
 
+def test_readme_states_the_main_jobs_time_idle_and_beside_a_busy_process():
+    "The README's numbers are the one-thread rows of the results file it names, and busy stays within 1.5x of idle."
+    rows = [json.loads(line) for line in (ROOT / "benchmarks" / "results" / "cli_threads_cpu.jsonl").read_text().splitlines()]
+    idle, busy = (next(r for r in rows if r["threads"] == 1 and r["load"] == load) for load in ("idle", "busy"))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"took {idle['wall_s']} s idle and {busy['wall_s']} s beside one busy process" in readme
+    assert idle["command"].replace("--threads T", "--threads 1") in readme and busy["busy"] in readme
+    assert f"cli_threads_cpu.jsonl` ({idle['date']}, {idle['git_sha']})" in readme
+    assert busy["wall_s"] <= 1.5 * idle["wall_s"] and idle["cores"] == busy["cores"] == 2
+
+
 def test_vllm_script_keeps_its_venv_and_results_in_the_repository():
     script = (ROOT / "scripts" / "vllm_cpu.sh").read_text()
     assert "/work/" not in script and "$PWD/.venv-vllm" in script and "| bc" not in script
