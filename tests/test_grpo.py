@@ -208,10 +208,15 @@ def test_loop_options_run(model_dir, tmp_path):
 
 @pytest.mark.parametrize("name, value", [("epsilon_high", float("nan")), ("delta", float("nan")), ("beta", float("nan")),
                                          ("beta", float("inf")), ("rollout_importance_sampling_clip_max", float("nan")),
-                                         ("epsilon", float("nan")), ("top_entropy_quantile", float("nan")), ("beta", "0.1")])
+                                         ("epsilon", float("nan")), ("top_entropy_quantile", float("nan")), ("beta", "0.1"),
+                                         ("rollout_importance_sampling_clip_min", float("nan")), ("epsilon_high", float("inf"))])
 def test_grpo_config_refuses_nan_inf_and_strings(name, value):
     with pytest.raises(ValueError, match=f"{name} must be a (finite )?number"):
         GRPOConfig(**{name: value})
+
+@pytest.mark.parametrize("weights", [(float("nan"), 1.0), (1.0, float("inf")), ("1", 1.0), (True, 1.0)])
+def test_grpo_config_refuses_reward_weights_that_are_not_finite_numbers(weights):
+    with pytest.raises(ValueError, match="reward_weights must be finite numbers"): GRPOConfig(reward_weights=weights)
 
 def test_grpo_config_takes_an_infinite_is_cap_as_no_cap():
     assert GRPOConfig(rollout_importance_sampling_clip_max=float("inf")).rollout_importance_sampling_clip_max == float("inf")

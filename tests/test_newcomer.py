@@ -272,6 +272,7 @@ def test_readme_states_the_main_jobs_time_idle_and_beside_a_busy_process():
 def test_vllm_script_keeps_its_venv_and_results_in_the_repository():
     script = (ROOT / "scripts" / "vllm_cpu.sh").read_text()
     assert "/work/" not in script and "$PWD/.venv-vllm" in script and "| bc" not in script
+    assert "PYTHON=${PYTHON:-python3.11}" in script and "python3.11 -m" not in script          # another interpreter can be given
     assert subprocess.run(["git", "check-ignore", "-q", ".venv-vllm/"], cwd=ROOT).returncode == 0
     assert 'RESULTS=runs/vllm_cpu.jsonl' in script and "--record) RESULTS=benchmarks/results/vllm_cpu.jsonl" in script
     assert subprocess.run(["bash", str(ROOT / "scripts" / "vllm_cpu.sh"), "--bogus"], cwd=ROOT, capture_output=True).returncode == 2

@@ -353,6 +353,8 @@ def test_disk_full_mid_run_is_one_line_and_the_run_resumes(model_dir, tmp_path, 
 @pytest.mark.parametrize("args, message", [
     (["--group-size", "1"], "--group-size) must be >= 2"), (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
     (["--lr", "nan"], "lr must be a finite number > 0, got nan"), (["--lr", "-1"], "lr must be a finite number > 0"),
+    (["--epsilon-high", "nan"], "epsilon_high must be a finite number, got nan"),
+    (["--reward-weights", "nan,1"], "reward_weights must be finite numbers"), (["--reward-weights", "1,inf"], "reward_weights must be finite numbers"),
     (["--task-knobs", "digits=1,digits=2"], "task knob 'digits' is given twice (digits=1, digits=2)"),
     (["--task-knobs", "digits=３"], "digits must be a whole number")])
 def test_wrong_arguments_are_refused_with_one_line(model_dir, tmp_path, capsys, args, message):
