@@ -87,7 +87,7 @@ def run(args, argv):
         row = dict(model=args.model, layers=len(model.model.layers), rows=args.rows,
                    prompt_tokens_mean=float(lengths.float().mean()), prompt_tokens_max=longest,
                    new_tokens=args.new_tokens, strategy=strategy, attention=attention or "jetrl",
-                   kv_dtype=str(cache.keys[0].dtype).removeprefix("torch."),
+                   kv_dtype="fp8" if cache.kv_fp8 else "bf16",
                    kv_bytes_per_token=kv_bytes_per_column(cache),
                    rollout_s=rollout_s, tokens_per_s=args.rows * args.new_tokens / rollout_s,
                    prefill_s=rollout.timing["prefill_s"], decode_step_ms=decode_step_ms, bound_step_ms=bound_ms,

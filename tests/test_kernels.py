@@ -47,8 +47,9 @@ SILU_VS_TORCH_REL = 2**-6     # the kernel against torch's ops, which round up t
 @pytest.fixture
 def gpu_casts(monkeypatch):
     """Under Triton's interpreter, fp32 -> bf16 and fp32 -> FP8 casts rounded to nearest even by torch, as the GPU's
-    (the interpreter's own truncate, and turn a NaN into a finite code), and FP8 -> fp32 decoded by torch (the
-    interpreter's own reads E4M3's NaN code as 480). On a GPU: nothing."""
+    (the interpreter's own truncate, and turn a NaN into a finite code), FP8 -> fp32 decoded by torch (the
+    interpreter's own reads E4M3's NaN code as 480), and BF16 dots of the values (the interpreter's multiplies their
+    bits as integers), exact products summed in fp32 as the GPU's tensor cores. On a GPU: nothing."""
     if not INTERPRETING: return
     import triton.language as tl
     from triton.runtime import interpreter
@@ -74,6 +75,13 @@ def gpu_casts(monkeypatch):
         return fp_to_fp(self, src, dst_type, rounding_mode)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+    dot = interpreter.InterpreterBuilder.create_dot                          # bf16 products: of the values, in fp32
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 == b.dtype.scalar:
+            a, b = (interpreter.TensorHandle(torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16))
+                                             .view(torch.bfloat16).float().numpy(), tl.float32) for t in (a, b))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float = DX_ULPS):
@@ -863,3 +871,38 @@ def test_quantize_128x128_rejects_what_it_cannot_take():
 @pytest.mark.skipif(invariant_kernels_available("cpu"), reason="Triton runs here (the interpreter)")
 def test_quantize_128x128_needs_triton_on_the_cpu():
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"): quantize_128x128(torch.zeros(128, 128))
+
+
+# ---- attention: the query-invariant kernel against the fp32 oracle, decode against the trainer ----
+
+ATTENTION_VS_FP32 = 2**-7   # of the largest |value|: p rounded to bf16 (2^-9 of each term) and the output's rounding
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_casts, monkeypatch):
+    """The kernel (BF16 or FP8 keys and values) lies within ATTENTION_VS_FP32 of SDPA in fp32 over the same values (the
+    exact codes x scales for FP8), ragged left padding and three key splits; and decode (heads as rows, splits in
+    parallel, then merged) gives every column's query the trainer's bits. Splits and blocks made small for the
+    interpreter: the same code paths."""
+    from jetrl.kernels.attention import KVCodes, attend, attention_invariant, causal_key_mask, quantize_kv
+    from jetrl.forward import first_valid_column
+    monkeypatch.setattr(jetrl.kernels.attention, "KEY_SPLIT", 32)
+    monkeypatch.setattr(jetrl.kernels.attention, "KEY_BLOCK", 16)
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, T, D = 2, 4, 2, 3 * 32 + 5, 16
+    q = torch.randn(b, heads, T, D, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(b, kv_heads, T, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    valid = torch.ones(b, T, dtype=torch.bool, device=DEVICE); valid[1, :37] = False
+    start, columns, scale = first_valid_column(valid), torch.arange(T, device=DEVICE), D ** -0.5
+    codes = KVCodes(*quantize_kv(k), *quantize_kv(v)) if kv == "fp8" else None
+    kk, vv = (None, None) if codes else (k, v)
+    trainer = attend(q, kk, vv, columns, valid, scale, True, start, codes)
+    k_exact, v_exact = codes.dequantize(torch.float32) if codes else (k.float(), v.float())
+    want = F.scaled_dot_product_attention(q.float(), k_exact, v_exact, attn_mask=causal_key_mask(valid, columns),
+                                          scale=scale, enable_gqa=True)
+    err = (trainer.float() - want).abs().max() / v_exact.abs().max()
+    assert err <= ATTENTION_VS_FP32, f"{kv}: {float(err):.2e} of the largest value from the fp32 oracle"
+    for c in [0, 36, 37, 31, 32, 63, 64, T - 1]:
+        decode = attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, scale, True, start, codes)
+        assert torch.equal(decode, trainer[:, :, c:c + 1]), f"{kv}: column {c}"

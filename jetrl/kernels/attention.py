@@ -25,7 +25,7 @@ QUERY_TILE = 16         # query rows per attention tile, in the trainer and in d
 KEY_BLOCK = 64          # keys per step of the attention's online softmax: the order of its sum
 KEY_SPLIT = 512         # keys per split: each split's softmax on its own, the splits merged in column order (both sides)
 ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, so the order of its row sums
-ATTENTION_STAGES = 2    # key blocks in flight per program (software pipelining; no effect on the bits)
+ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
 
 @triton.jit
 def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, start_block, stop_block, Tk, scale,
@@ -40,18 +40,21 @@ def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col,
         k_ok = kc < Tk
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(v_row + kc[:, None] * sv_t + d[None, :], mask=k_ok[:, None], other=0.0)
-        if KV_FP8:   # FP8 codes times their token's scale, rounded to q's precision: the values both sides attend over
-            k = (k.to(tl.float32) * tl.load(ks_row + kc, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(vs_row + kc, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
         valid = tl.load(valid_row + kc, mask=k_ok, other=0) != 0
-        s = tl.dot(q, tl.trans(k)) * scale
+        # FP8 codes are exact in q's precision: the products take the codes, and each token's scale multiplies its
+        # column after them (q . (codes x scale) = (q . codes) x scale), on the scores and on the probabilities
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if KV_FP8: s = s * (tl.load(ks_row + kc, mask=k_ok, other=0.0) * scale)[None, :]
+        else: s = s * scale
         allowed = ((kc[None, :] <= q_col[:, None]) & valid[None, :]) | (kc[None, :] == q_col[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
         p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_FP8: pv = p * tl.load(vs_row + kc, mask=k_ok, other=0.0)[None, :]
+        else: pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
         m = m_new
     return m, l, acc
 
@@ -165,7 +168,8 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
     q (b, heads, Tq, d), k and v (b, kv_heads, Tk, d), q_columns (Tq,): the key column of each query;
     key_valid (b, Tk) bool. A query at column c sees the valid keys at columns <= c (and always its own).
     key_start (b,): each row's first valid column, or None (0). With k_scale and v_scale (b, kv_heads, Tk) fp32, k and v
-    are FP8 codes (float8_e4m3fn) and each key/value is its codes times its scale, rounded to q's dtype."""
+    are FP8 codes (float8_e4m3fn) and each key/value is its codes times its scale: the products take the codes (exact
+    in q's dtype) and the scales multiply their columns in fp32."""
     b, heads, Tq, D = q.shape
     kv_heads, Tk = k.shape[1], k.shape[2]
     if D & (D - 1) or D < 16:
@@ -267,7 +271,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale
 
 def dequantize_kv(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    "Codes times their token's scale, rounded to `dtype`: what the attention kernel computes from an FP8 key or value."
+    "Codes times their token's scale, rounded to `dtype` (fp32: exact, the values the attention kernel attends over)."
     return (data.float() * scale[..., None]).to(dtype)
 
 
@@ -334,10 +338,10 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_co
     if invariant and invariant_kernels_available(q.device):
         return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale, key_start, codes)
     if codes is not None:
-        k8, v8 = codes.dequantize(q.dtype)
+        k8, v8 = codes.dequantize(torch.float32)            # exact: codes times scales, as the kernel's products
         if k is not None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             k8, v8 = _StraightThrough.apply(k, k8), _StraightThrough.apply(v, v8)
-        k, v = k8, v8
+        return _sdpa(q.float(), k8, v8, q_columns, key_valid, scale).to(q.dtype)
     return _sdpa(q, k, v, q_columns, key_valid, scale)
 
 
