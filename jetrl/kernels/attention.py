@@ -6,7 +6,7 @@ Docs: https://jetrl.github.io/jetrl/attention_kernels.html.md"""
 
 # %% auto #0
 __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION_STAGES', 'KV_FP8_FORMAT', 'KV_BLOCK_T',
-           'ROTARY_BLOCK_T', 'split_softmax', 'first_key_block', 'merge_splits', 'attention_kernel',
+           'ROTARY_BLOCK_T', 'key_block', 'split_softmax', 'first_key_block', 'merge_splits', 'attention_kernel',
            'combine_splits_kernel', 'attention_invariant', 'quantize_kv_kernel', 'quantize_kv_torch',
            'quantize_kv_into', 'quantize_kv', 'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend',
            'rotary_embedding_kernel', 'rotate_half_kernel']
@@ -28,34 +28,52 @@ ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, s
 ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
 
 @triton.jit
-def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, start_block, stop_block, Tk, scale,
-                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr):
-    # the online softmax of a tile of queries over key blocks [start_block, stop_block): (max, sum, unnormalized output)
+def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+              BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr):
+    # one step of the online softmax: the tile's queries over key block kb, folded into (max, sum, unnormalized output)
     d = tl.arange(0, D)
-    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_Q,), tl.float32)
-    acc = tl.zeros((BLOCK_Q, D), tl.float32)
-    for kb in range(start_block, stop_block):
-        kc = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    kc = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    if MASKED:   # the block runs past the cache's last column: those keys read as 0 and are not allowed
         k_ok = kc < Tk
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(v_row + kc[:, None] * sv_t + d[None, :], mask=k_ok[:, None], other=0.0)
         valid = tl.load(valid_row + kc, mask=k_ok, other=0) != 0
-        # FP8 codes are exact in q's precision: the products take the codes, and each token's scale multiplies its
-        # column after them (q . (codes x scale) = (q . codes) x scale), on the scores and on the probabilities
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        if KV_FP8: s = s * (tl.load(ks_row + kc, mask=k_ok, other=0.0) * scale)[None, :]
-        else: s = s * scale
-        allowed = ((kc[None, :] <= q_col[:, None]) & valid[None, :]) | (kc[None, :] == q_col[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-        p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, axis=1)
-        if KV_FP8: pv = p * tl.load(vs_row + kc, mask=k_ok, other=0.0)[None, :]
-        else: pv = p
-        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
-        m = m_new
+    else:        # a whole block: plain loads, which the compiler can pipeline and vectorize
+        k = tl.load(k_row + kc[:, None] * sk_t + d[None, :])
+        v = tl.load(v_row + kc[:, None] * sv_t + d[None, :])
+        valid = tl.load(valid_row + kc) != 0
+    # FP8 codes are exact in fp32 and in q's precision (converted through fp32: the GPU's fast path): the products take
+    # the codes, and each token's scale multiplies its column after them (q . (codes x scale) = (q . codes) x scale),
+    # on the scores and on the probabilities
+    if KV_FP8: k, v = k.to(tl.float32).to(q.dtype), v.to(tl.float32).to(q.dtype)
+    s = tl.dot(q, tl.trans(k))
+    if KV_FP8: s = s * (tl.load(ks_row + kc, mask=kc < Tk, other=0.0) * scale)[None, :]
+    else: s = s * scale
+    allowed = ((kc[None, :] <= q_col[:, None]) & valid[None, :]) | (kc[None, :] == q_col[:, None])
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+    p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+    l = l * alpha + tl.sum(p, axis=1)
+    if KV_FP8: p = p * tl.load(vs_row + kc, mask=kc < Tk, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l, acc
+
+@triton.jit
+def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, start_block, stop_block, Tk, scale,
+                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr):
+    # the online softmax of a tile of queries over key blocks [start_block, stop_block): (max, sum, unnormalized output);
+    # the blocks wholly inside the cache first, then the one that runs past its end, if any (same order, same bits)
+    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_Q, D), tl.float32)
+    whole_stop = tl.minimum(stop_block, Tk // BLOCK_KV)
+    for kb in range(start_block, whole_stop):
+        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+                              BLOCK_KV, D, KV_FP8, False)
+    for kb in range(tl.maximum(start_block, whole_stop), stop_block):
+        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+                              BLOCK_KV, D, KV_FP8, True)
     return m, l, acc
 
 @triton.jit
