@@ -10,6 +10,9 @@ time, and the bound from the bytes a decode step must read at the H200's memory 
 multiplies by (FP8 or BF16 as the strategy stores it) and the keys and values written so far (each step reads its
 row's columns up to the current one), averaged over the steps. Then the trainer recomputes the log-probs of every
 generated token (`recompute_log_probs`): the mean |log p_train - log p_rollout| and the share of identical tokens.
+Memory: the peak during the rollout, what was allocated before it (the model in the strategy's precisions, the cache,
+and whatever an earlier strategy of the same run still holds: one strategy per process gives a clean peak), and the
+cache's own bytes.
 """
 import argparse, statistics
 import torch
@@ -72,6 +75,7 @@ def run(args, argv):
         engine = RolloutEngine(policy, chat_template=False)
         engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=0, ignore_eos=True))   # graphs captured
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**30      # the model(s), the cache, what earlier strategies left
         t0 = synced_clock("cuda")
         rollout = engine.generate(prompts, params)
         rollout_s = synced_clock("cuda") - t0
@@ -91,7 +95,8 @@ def run(args, argv):
                    kv_bytes_per_token=kv_bytes_per_column(cache),
                    rollout_s=rollout_s, tokens_per_s=args.rows * args.new_tokens / rollout_s,
                    prefill_s=rollout.timing["prefill_s"], decode_step_ms=decode_step_ms, bound_step_ms=bound_ms,
-                   step_over_bound=decode_step_ms / bound_ms, peak_mem_gb=peak)
+                   step_over_bound=decode_step_ms / bound_ms, peak_mem_gb=peak, allocated_before_gb=before,
+                   kv_cache_gb=sum(t.numel() * t.element_size() for t in cache.tensors()) / 2**30)
         if not args.no_gap:
             trainer = recompute_log_probs(policy.model, rollout, micro_batch_size=8)
             mask = rollout.completion_mask.bool()
