@@ -42,11 +42,12 @@ def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb,
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :])
         v = tl.load(v_row + kc[:, None] * sv_t + d[None, :])
         valid = tl.load(valid_row + kc) != 0
-    # FP8 codes are exact in fp32 and in q's precision (converted through fp32: the GPU's fast path): the products take
-    # the codes, and each token's scale multiplies its column after them (q . (codes x scale) = (q . codes) x scale),
-    # on the scores and on the probabilities
-    if KV_FP8: k, v = k.to(tl.float32).to(q.dtype), v.to(tl.float32).to(q.dtype)
-    s = tl.dot(q, tl.trans(k))
+    # FP8 codes are exact in fp32 and in q's precision: the products take the codes (the keys transposed first, then
+    # converted through fp32, the GPU's fast route), and each token's scale multiplies its column after them
+    # (q . (codes x scale) = (q . codes) x scale), on the scores and on the probabilities
+    k_t = tl.trans(k)
+    if KV_FP8: k_t, v = k_t.to(tl.float32).to(q.dtype), v.to(tl.float32).to(q.dtype)
+    s = tl.dot(q, k_t)
     if KV_FP8: s = s * (tl.load(ks_row + kc, mask=kc < Tk, other=0.0) * scale)[None, :]
     else: s = s * scale
     allowed = ((kc[None, :] <= q_col[:, None]) & valid[None, :]) | (kc[None, :] == q_col[:, None])
