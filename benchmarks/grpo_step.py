@@ -6,6 +6,8 @@
         --out benchmarks/results/grpo_step_h200.jsonl      # the eager trainer (host-bound at 0.5B; graphs are the default)
     python -m benchmarks grpo_step --model qwen2-7b --strategies jet --prompts 16 --micro-batch 16 \
         --kernels gluon_decode=false                       # one kernel choice against the default
+    python -m benchmarks grpo_step --model llama3-8b --strategies bf16 --prompts 8 --samples 8 --new-tokens 4096 \
+        --micro-batch 8 --out benchmarks/results/grpo_step_h200.jsonl   # long rollouts: one strategy per call (~3 min each)
     torchrun --standalone --nproc-per-node 1 -m benchmarks grpo_step --distributed ...   # FSDP2 over the ranks
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
@@ -141,6 +143,7 @@ def run_all(args, argv):
                 report = sync_rollout_weights(policy, world, other)
                 row |= {f"sync_s_{other}": report.seconds, f"sync_bytes_{other}": report.bytes}
             row |= dict(model=args.model, layers=model.config.num_hidden_layers, strategy=strategy, mode=mode,
+                        kv_dtype="fp8" if policy.spec.kv_fp8 else "bf16",
                         prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
