@@ -7,7 +7,7 @@
     python -m benchmarks grpo_step --model qwen2-7b --strategies jet --prompts 16 --micro-batch 16 \
         --kernels gluon_decode=false                       # one kernel choice against the default
     python -m benchmarks grpo_step --model llama3-8b --strategies bf16 --prompts 8 --samples 8 --new-tokens 4096 \
-        --micro-batch 8 --out benchmarks/results/grpo_step_h200.jsonl   # long rollouts: one strategy per call (~3 min each)
+        --micro-batch 8 --out benchmarks/results/grpo_step_h200.jsonl   # long rollouts: one strategy per call (a warm-up step, then the timed one)
     torchrun --standalone --nproc-per-node 1 -m benchmarks grpo_step --distributed ...   # FSDP2 over the ranks
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
