@@ -5,8 +5,9 @@ bytes bound and PyTorch's fastest dense attention, with the decode == trainer bi
 
 One decode step of one layer of the llama3-8b shape (32 query heads over 8 key/value heads, head_dim 128): --rows rows,
 ragged prompts of --prompt-min..--prompt-max tokens left-padded to the longest, the query --generated tokens past it,
-in a cache of the long rollout's capacity. Per tile setting (KEY_BLOCK, KEY_SPLIT, warps, stages of
-`jetrl.kernels.attention`; each `--tiles` entry is `block:split:warps:stages`), one row: the kernel's GPU time with BF16
+in a cache of the long rollout's capacity. Per tile setting (KEY_BLOCK, KEY_SPLIT, warps, stages and the FP8 path's
+register bound of `jetrl.kernels.attention`; each `--tiles` entry is `block:split:warps:stages:fp8_registers`, 0 for
+unbounded registers), one row: the kernel's GPU time with BF16
 and with FP8 keys/values (CUDA graphs replayed, no host time), each against its bound (the written keys and values
 of every row, FP8 with their fp32 scales, at 4.8 TB/s), and `decode_equals_trainer`: every checked column's decode
 output equals the trainer kernel's, BF16 and FP8 (block, split and warps change the bits of both sides together).
@@ -24,16 +25,17 @@ from jetrl.kernels.support import graph_time_ms
 
 HBM_BYTES_PER_S = 4.8e12           # the H200's memory bandwidth (its data sheet)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES")
-TILES = "64:512:4:2,64:512:4:3,32:512:4:3,64:1024:4:3,32:1024:4:3,64:256:4:3,128:512:4:2,64:512:8:3"
+TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES", "FP8_KV_MAX_REGISTERS")
+TILES = "64:512:4:3:128,64:512:4:3:0,64:512:4:2:128,32:512:4:3:128,32:512:4:3:0,64:1024:4:3:128,64:512:4:3:168"
 
 
 def tile_settings(text: str) -> list[dict]:
     settings = []
     for entry in text.split(","):
         parts = entry.split(":")
-        if len(parts) != 4 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"--tiles: {entry!r} is not block:split:warps:stages (four whole numbers, e.g. 64:512:4:3)")
+        if len(parts) != 5 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"--tiles: {entry!r} is not block:split:warps:stages:fp8_registers (five whole numbers, "
+                             "e.g. 64:512:4:3:128; registers 0: unbounded)")
         settings.append(dict(zip(TILE_NAMES, map(int, parts))))
     return settings
 
@@ -64,7 +66,7 @@ def main(argv=None):
     p.add_argument("--prompt-max", type=int, default=1000)
     p.add_argument("--generated", type=int, default=1600, help="tokens generated so far (the query's distance past the prompts)")
     p.add_argument("--capacity", type=int, default=1000 + 4096, help="the cache's columns (the long rollout's)")
-    p.add_argument("--tiles", type=tile_settings, default=tile_settings(TILES), metavar="BLOCK:SPLIT:WARPS:STAGES,...")
+    p.add_argument("--tiles", type=tile_settings, default=tile_settings(TILES), metavar="BLOCK:SPLIT:WARPS:STAGES:FP8_REGISTERS,...")
     add_output_args(p, kernels=False)
     args = p.parse_args(argv)
     need_cuda("attention_decode")
@@ -107,7 +109,8 @@ def main(argv=None):
                  for kv, kk, vv, cc in (("bf16", k, v, None), ("fp8", None, None, codes))}
             emit(make_row("attention_decode", shape | dict(
                 kernel="jetrl", key_block=tiles["KEY_BLOCK"], key_split=tiles["KEY_SPLIT"],
-                warps=tiles["ATTENTION_WARPS"], stages=tiles["ATTENTION_STAGES"], default=tiles == chosen,
+                warps=tiles["ATTENTION_WARPS"], stages=tiles["ATTENTION_STAGES"],
+                fp8_max_registers=tiles["FP8_KV_MAX_REGISTERS"] or None, default=tiles == chosen,
                 bf16_us=t["bf16"], fp8_us=t["fp8"], bf16_over_bound=t["bf16"] / bound_us["bf16"],
                 fp8_over_bound=t["fp8"] / bound_us["fp8"], fp8_over_bf16=t["fp8"] / t["bf16"],
                 decode_equals_trainer=decode_equals_trainer(device)), argv, device), args.out)

@@ -540,7 +540,8 @@ def test_graphed_log_probs_drop_captures_whose_tensors_were_replaced():
     ids, mask = left_padded_batch()
     with torch.no_grad():
         first = graphed(ids, mask)
-        torch.testing.assert_close(first, token_log_probs(policy.model, ids, mask), rtol=0, atol=0)
+        # the stub runs the bucket's padded width: on the CPU another matmul shape, so fp32 roundings may differ
+        torch.testing.assert_close(first, token_log_probs(policy.model, ids, mask), rtol=0, atol=1e-5)
         graphed(ids, mask)
         assert len(captures) == 1                                       # one shape, one capture
         for p in policy.model.parameters(): p.add_(1e-3)                # an optimizer step: in place
