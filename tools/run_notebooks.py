@@ -138,7 +138,7 @@ def line(r: dict) -> str:
     if r["status"] == "NOT RUN": return f"NOT RUN {r['notebook']}: {r['error']}"
     text = f"{r['status']} {r['notebook']} {r['seconds']} s, {r['cells']} cells"
     if r["status"] == "FAIL":
-        where = f"cell {r['cell']} ({r['ran'] + 1} of {r['cells']} run)" if r.get("cell") is not None else "before any cell"
+        where = f"cell {r['cell']} (code cell {r['ran'] + 1} of the {r['cells']} to run)" if r.get("cell") is not None else "before any cell"
         text += f"; {where}: {' '.join(r['error'].split())}"
     return text
 
@@ -171,7 +171,8 @@ def append_log(log: Path, result: dict, output: Path):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("notebooks", nargs="*", type=Path, help="default: nbs/*.ipynb and nbs/walkthrough/*.ipynb")
+    p.add_argument("notebooks", nargs="*", type=Path,
+                   help="run in this order, each once (default: nbs/*.ipynb and nbs/walkthrough/*.ipynb)")
     p.add_argument("--flags", default="", help="comma-separated test flags whose cells run too (e.g. cuda)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per notebook")
     p.add_argument("--deadline", type=float, default=None,
@@ -187,7 +188,8 @@ def main(argv=None) -> int:
     unknown = flags - set(TEST_FLAGS)
     if unknown: p.error(f"unknown flags {sorted(unknown)}: the test flags are {list(TEST_FLAGS)}")
     if args.jobs < 1: p.error("--jobs is at least 1")
-    notebooks = [n.resolve() for n in args.notebooks] or sorted((ROOT / "nbs").glob("*.ipynb")) + sorted((ROOT / "nbs" / "walkthrough").glob("*.ipynb"))
+    notebooks = (list(dict.fromkeys(n.resolve() for n in args.notebooks))        # each once, in the order given
+                 or sorted((ROOT / "nbs").glob("*.ipynb")) + sorted((ROOT / "nbs" / "walkthrough").glob("*.ipynb")))
     missing = [str(n) for n in notebooks if not n.is_file()]
     if missing: p.error(f"no such notebook: {missing}")
 
