@@ -64,6 +64,14 @@ def test_a_timeout_kills_the_notebook_and_what_it_started(tmp_path, monkeypatch)
     assert not alive
 
 
+def test_a_thread_left_running_does_not_hold_the_end(tmp_path, monkeypatch):
+    "As a kernel shut down: a worker thread a cell started (a widget's) does not keep the notebook's process alive."
+    monkeypatch.setattr(R, "ROOT", tmp_path)
+    nb = notebook(tmp_path / "thread.ipynb", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()")
+    r = R.run_notebook(nb, set(), 30)
+    assert r["status"] == "PASS" and r["seconds"] < 20
+
+
 def test_the_deadline_stops_starting_notebooks(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "ROOT", tmp_path)
     first = notebook(tmp_path / "a.ipynb", "import time\ntime.sleep(2)")

@@ -51,7 +51,7 @@ def code_cells(notebook: Path, flags: set[str]) -> list[tuple[int, str]]:
     return [(i, s) for i, s in sources if runs(s, flags)]
 
 RUNNER = r'''
-import json, linecache, sys, time, traceback
+import json, linecache, os, sys, time, traceback
 progress = sys.argv[1]
 cells = json.loads(open(sys.argv[2]).read())
 try: from IPython.display import display
@@ -72,9 +72,12 @@ for ran, (index, source) in enumerate(cells):
     except BaseException as error:
         traceback.print_exc()
         note(cell=index, ran=ran, error=f"{type(error).__name__}: {error}".strip()[:500])
-        sys.exit(1)
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(1)
     print(f"----- cell {index}: {time.perf_counter() - start:.1f} s", flush=True)
 note(cell=None, ran=len(cells))
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)      # as a kernel shut down: threads a cell left running (a widget's worker) do not hold the exit
 '''
 
 def child_env(flags: set[str], threads: int | None) -> dict[str, str]:
@@ -93,7 +96,8 @@ def kill_group(proc: subprocess.Popen):
     except subprocess.TimeoutExpired: pass
 
 class Job:
-    "One notebook running in its own process (its own process group, so that a timeout ends its children too)."
+    """One notebook running in its own process, in a process group of its own (so that a timeout ends its children too;
+    the same session as the runner, so that whatever ends the runner's session ends them as well)."""
     def __init__(self, notebook: Path, flags: set[str], timeout_s: float, workdir: Path, env: dict[str, str]):
         self.notebook, self.timeout_s, self.start = notebook, timeout_s, time.perf_counter()
         self.cells = code_cells(notebook, flags)
@@ -103,7 +107,7 @@ class Job:
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(self.progress), str(cells_file)],
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=notebook.parent, env=env, start_new_session=True)
+                                         cwd=notebook.parent, env=env, process_group=0)
 
     def seconds(self) -> float: return time.perf_counter() - self.start
 
@@ -211,6 +215,8 @@ def main(argv=None) -> int:
         if args.out: args.out.write_text(text)
         return text
 
+    def stop(signum, frame): raise KeyboardInterrupt(f"signal {signum}")
+    previous_handler = signal.signal(signal.SIGTERM, stop)     # a SIGTERM too ends the notebooks first (finally, below)
     with tempfile.TemporaryDirectory(prefix="run_notebooks_") as workdir:
         try:
             while queue or running:
@@ -233,6 +239,7 @@ def main(argv=None) -> int:
                 time.sleep(0.2)
         finally:
             for job in running: kill_group(job.proc)       # interrupted: leave no notebook running
+            signal.signal(signal.SIGTERM, previous_handler)
     counts = {s: sum(r["status"] == s for r in results.values()) for s in ("PASS", "FAIL", "NOT RUN")}
     footer = (f"# {counts['PASS']} of {len(order)} notebooks passed, {counts['FAIL']} failed, {counts['NOT RUN']} not run; "
               f"{time.perf_counter() - t0:.0f} s in all")
