@@ -36,9 +36,11 @@ else
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
-# the notebooks that take longest on the GPU start first (then every other one, in name order)
-first=(nbs/walkthrough/05_strategies_live.ipynb nbs/08_train.ipynb nbs/08a_distributed.ipynb nbs/walkthrough/07_reproduce.ipynb
-       nbs/walkthrough/06_your_task.ipynb nbs/walkthrough/04_grpo.ipynb nbs/walkthrough/03_off_policy.ipynb nbs/10_widgets.ipynb)
+# the notebooks that took longest (on the GPU: 05_strategies_live, 110 s; the others on a 2-core CPU) start first, then
+# every other one in name order
+first=(nbs/walkthrough/05_strategies_live.ipynb nbs/05_rollout.ipynb nbs/walkthrough/07_reproduce.ipynb nbs/walkthrough/04_grpo.ipynb
+       nbs/walkthrough/06_your_task.ipynb nbs/walkthrough/03_off_policy.ipynb nbs/10_widgets.ipynb nbs/08_train.ipynb
+       nbs/09_cli.ipynb nbs/08a_distributed.ipynb)
 left=$(( budget - ($(date +%s) - start) ))
 python3 tools/run_notebooks.py "${first[@]}" nbs/*.ipynb nbs/walkthrough/*.ipynb --flags cuda --jobs "$jobs" \
   --timeout "$left" --deadline "$left" --start-margin 30 \
