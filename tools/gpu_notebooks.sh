@@ -36,8 +36,8 @@ else
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
-# the notebooks that took longest (on the GPU: 05_strategies_live, 110 s; the others on a 2-core CPU) start first, then
-# every other one in name order
+# the notebooks that took longest on a CPU (and 05_strategies_live's benchmarks on the GPU) start first, then every
+# other one in name order
 first=(nbs/walkthrough/05_strategies_live.ipynb nbs/05_rollout.ipynb nbs/walkthrough/07_reproduce.ipynb nbs/walkthrough/04_grpo.ipynb
        nbs/walkthrough/06_your_task.ipynb nbs/walkthrough/03_off_policy.ipynb nbs/10_widgets.ipynb nbs/08_train.ipynb
        nbs/09_cli.ipynb nbs/08a_distributed.ipynb)
