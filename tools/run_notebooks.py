@@ -59,8 +59,9 @@ except ImportError:
     def display(*objs, **kwargs):
         for obj in objs: print(repr(obj))
 namespace = {"__name__": "__main__", "__builtins__": __builtins__, "display": display}
-def note(**fields):
-    with open(progress, "w") as f: json.dump(fields, f)
+def note(**fields):                       # written whole or not at all: a kill mid-write leaves the last note
+    with open(progress + ".tmp", "w") as f: json.dump(fields, f)
+    os.replace(progress + ".tmp", progress)
 for ran, (index, source) in enumerate(cells):
     filename = f"<cell {index}>"
     # as IPython does: the cell's source in linecache, so that inspect.getsource (Triton's @jit needs it) finds it
@@ -80,7 +81,7 @@ sys.stdout.flush(); sys.stderr.flush()
 os._exit(0)      # as a kernel shut down: threads a cell left running (a widget's worker) do not hold the exit
 '''
 
-def child_env(flags: set[str], threads: int | None) -> dict[str, str]:
+def child_env(threads: int | None = None) -> dict[str, str]:
     "The notebook's environment: the repository first on PYTHONPATH (what was there stays after it), as nbdev-test."
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -114,24 +115,28 @@ class Job:
     def poll(self) -> dict | None:
         "The result once the notebook has ended (or was killed at its timeout), else None."
         status = self.proc.poll()
-        timed_out = status is None and self.seconds() > self.timeout_s
-        if status is None and not timed_out: return None
+        if status is None and self.seconds() <= self.timeout_s: return None
+        if status is None: return self.stop(f"timed out after {self.timeout_s:.0f} s")
         kill_group(self.proc)                            # also the processes a finished notebook left running
-        progress = json.loads(self.progress.read_text()) if self.progress.exists() else {"cell": None, "ran": 0}
-        result = {"notebook": name(self.notebook), "status": "PASS" if status == 0 else "FAIL",
-                  "seconds": round(self.seconds(), 1), "cells": len(self.cells), "ran": progress.get("ran", 0)}
-        if status != 0:
-            if timed_out: error = f"timed out after {self.timeout_s:.0f} s"
-            elif "error" in progress: error = progress["error"]
-            elif status < 0: error = f"killed by signal {signal.Signals(-status).name}"
-            else: error = f"exit status {status}"
-            result |= {"cell": progress.get("cell"), "error": error}
+        return self._result(status == 0, None if status >= 0 else f"killed by signal {signal.Signals(-status).name}",
+                            None if status <= 0 else f"exit status {status}")
+
+    def stop(self, why: str) -> dict:
+        "Kill the notebook (and what it started) now: a failure, at the cell it was running."
+        kill_group(self.proc)
+        return self._result(False, why)
+
+    def _result(self, passed: bool, why: str | None, fallback: str | None = None) -> dict:
+        progress = json.loads(self.progress.read_text()) if self.progress.exists() else {"cell": None, "ran": 0}   # no cell began
+        result = {"notebook": name(self.notebook), "status": "PASS" if passed else "FAIL", "seconds": round(self.seconds(), 1),
+                  "cells": len(self.cells), "ran": progress.get("ran", 0)}
+        if not passed: result |= {"cell": progress.get("cell"), "error": why or progress.get("error") or fallback or "no error"}
         return result
 
 def run_notebook(notebook: Path, flags: set[str], timeout_s: float) -> dict:
     "Run one notebook and wait for its result."
     with tempfile.TemporaryDirectory(prefix="run_notebooks_") as workdir:
-        job = Job(notebook.resolve(), flags, timeout_s, Path(workdir), child_env(flags, None))
+        job = Job(notebook.resolve(), flags, timeout_s, Path(workdir), child_env())
         while (result := job.poll()) is None: time.sleep(0.1)
         return result
 
@@ -142,7 +147,7 @@ def line(r: dict) -> str:
     if r["status"] == "NOT RUN": return f"NOT RUN {r['notebook']}: {r['error']}"
     text = f"{r['status']} {r['notebook']} {r['seconds']} s, {r['cells']} cells"
     if r["status"] == "FAIL":
-        where = f"cell {r['cell']} (code cell {r['ran'] + 1} of the {r['cells']} to run)" if r.get("cell") is not None else "before any cell"
+        where = "before any cell" if r.get("cell") is None else f"cell {r['cell']} (code cell {r['ran'] + 1} of the {r['cells']} to run)"
         text += f"; {where}: {' '.join(r['error'].split())}"
     return text
 
@@ -207,7 +212,7 @@ def main(argv=None) -> int:
               + (f", --deadline {args.deadline:.0f} s" if args.deadline else "")]
     if args.log: args.log.write_text("\n".join(header) + "\n")
     order = [name(n) for n in notebooks]
-    env = child_env(flags, max(1, (os.cpu_count() or 1) // args.jobs))
+    env = child_env(max(1, (os.cpu_count() or 1) // args.jobs))     # the cores shared among the notebooks
     t0, results, running, queue = time.perf_counter(), {}, [], list(notebooks)
 
     def write(footer=""):
@@ -237,11 +242,15 @@ def main(argv=None) -> int:
                     if args.log: append_log(args.log, r, job.output)
                     write()
                 time.sleep(0.2)
+        except KeyboardInterrupt as stopped:                # Ctrl-C or SIGTERM: the notebooks running end as failures
+            for job in running: results[name(job.notebook)] = job.stop(f"the run was interrupted ({stopped})")
+            running.clear()
         finally:
-            for job in running: kill_group(job.proc)       # interrupted: leave no notebook running
+            for job in running: kill_group(job.proc)       # leave no notebook running, whatever ended the loop
             signal.signal(signal.SIGTERM, previous_handler)
     counts = {s: sum(r["status"] == s for r in results.values()) for s in ("PASS", "FAIL", "NOT RUN")}
-    footer = (f"# {counts['PASS']} of {len(order)} notebooks passed, {counts['FAIL']} failed, {counts['NOT RUN']} not run; "
+    footer = (f"# {counts['PASS']} of {len(order)} notebooks passed, {counts['FAIL']} failed, {counts['NOT RUN']} not run"
+              f"{'' if len(results) == len(order) else f', {len(order) - len(results)} never reached'}; "
               f"{time.perf_counter() - t0:.0f} s in all")
     print(footer, flush=True)
     write(footer)
