@@ -426,3 +426,11 @@ def test_the_long_preset_writes_over_2048_tokens_and_every_run_fits_a_call():
     assert all(c["seconds"] <= R.DEVICE_CALL_S for c in R.parity_calls(preset, est) + R.base_calls(est))
     assert est["sft_s"] > R.gpu_call_estimate(R.PRESETS["gpu"], completion_tokens=500)["sft_s"]   # longer sequences: a longer SFT
     assert R.carried_sizes(preset, est["completion_tokens"])["total_MiB"] <= 64
+
+
+def test_the_fp8_kv_strategy_runs_on_the_gpu_base_for_issue_34():
+    "jet-fp8kv is a strategy of the runner: two seeds of it on the gpu preset's base pair with that preset's bf16 and jet."
+    args = R.parse_args(["--preset", "gpu", "--strategies", "jet-fp8kv", "--seeds", "0,1", "--out", "x"])
+    preset = R.preset_from_args(args)
+    assert preset.strategies == ("jet-fp8kv",) and preset.seeds == (0, 1) and preset.sft == R.PRESETS["gpu"].sft
+    assert R.build_policy("jet-fp8kv", "jetrl-tiny", "cpu").spec.kv_fp8 and "jet-fp8kv" in R.DESCRIPTIONS
