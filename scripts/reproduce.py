@@ -488,10 +488,11 @@ def base_accuracy(preset: Preset, out: Path, model_name: str, device: str) -> fl
 def run_dir(out: Path, strategy: str, seed: int) -> Path: return out / "runs" / f"{strategy}_seed{seed}"
 
 def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, base: Path | None = None,
-            prior_run_s: dict | None = None) -> bool:
+            prior_run_s: dict | None = None, budget_s: float = math.inf) -> bool:
     """Every (seed, strategy) run of `preset`, in order, on its base: SFT'd into OUT/base, or restored from `base` (a folder
     `save_base` wrote; `use_base`). True when all are done, False when the deadline stopped it. A run starts only if
-    `expected_run_seconds` (`prior_run_s` while none is finished) fits before the deadline."""
+    `expected_run_seconds` (`prior_run_s` while none is finished or cut) fits before the deadline; one expected to take
+    longer than the call's whole `budget_s` is an error (it could never finish in one call)."""
     model = preset.train.model
     if preset.sft is not None:
         if base is not None: use_base(base, out, log)
@@ -511,6 +512,9 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, 
             if (folder / "done.json").exists(): continue
             config = replace(preset.train, model=model, strategy=strategy, seed=seed)
             expected = expected_run_seconds(out, strategy, config.steps, prior_run_s)
+            if not (folder / "checkpoint").exists() and expected > budget_s:
+                raise RuntimeError(f"a {strategy} run takes about {expected:.0f} s, more than a call's whole --time-budget "
+                                   f"({budget_s:.0f} s), and an unfinished run is not carried: give a larger --time-budget or fewer --steps")
             if not (folder / "checkpoint").exists() and time.time() + expected > deadline:
                 log(f"{strategy} seed {seed}: not started, it would take about {expected:.0f} s (the time per step of the "
                     "finished runs) and the time budget is nearly spent; run again to continue")
@@ -524,6 +528,7 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, 
             run = train(config, folder, resume=(folder / "metrics.jsonl").exists(), callbacks=[on_step], policy=policy,
                         progress=sys.stderr.isatty())
             steps_done = len(read_metrics(folder)[1])
+            if times: record_step_seconds(out, strategy, sum(times) / len(times))
             log(f"{strategy} seed {seed}: {steps_done}/{config.steps} steps, {time.time() - started:.0f} s this call")
             if steps_done < config.steps: return False
             seconds = time.time() - started
@@ -559,18 +564,30 @@ def build_base(preset: Preset, out: Path, device: str, deadline: float, into: Pa
     return record
 
 
+STEP_SECONDS = "step_seconds.json"   # in OUT: strategy -> mean s/step of its latest run there, finished or cut short
+                                     # (a cut run's folder is left out of --pack; this small file travels)
+
+def record_step_seconds(out: Path, strategy: str, seconds: float) -> None:
+    file = out / STEP_SECONDS
+    record = json.loads(file.read_text()) if file.exists() else {}
+    file.write_text(json.dumps(record | {strategy: round(seconds, 3)}) + "\n")
+
 def expected_run_seconds(out: Path, strategy: str, steps: int, prior: dict | None = None) -> float:
     """A fresh run's duration: `steps` x the mean step time of this strategy's finished runs, plus their seconds beside
-    the steps and their eval's (done.json), else the slowest finished run's; with none finished, `prior[strategy]` (the
-    plan's estimate; the largest of it for a strategy it lacks), else 0."""
+    the steps and their eval's (done.json); else `steps` x the step time its latest run measured (OUT/step_seconds.json,
+    a run cut short included); else the slowest finished run's, or the slowest recorded step time; else
+    `prior[strategy]` (the plan's estimate; the largest of it for a strategy it lacks), else 0."""
     per_run = {}
     for f in (out / "runs").glob("*_seed*"):
         if (f / "done.json").exists():
             done, times = json.loads((f / "done.json").read_text()), [m["time/step"] for m in read_metrics(f)[1]]
             per_run.setdefault(f.name.rsplit("_seed", 1)[0], []).append(
                 steps * sum(times) / max(len(times), 1) + done.get("overhead_s", 0.0) + done.get("eval_seconds", 0.0))
+    cut = json.loads((out / STEP_SECONDS).read_text()) if (out / STEP_SECONDS).exists() else {}
     if strategy in per_run: return _mean(per_run[strategy])
+    if strategy in cut: return steps * cut[strategy]
     if per_run: return max(max(v) for v in per_run.values())
+    if cut: return steps * max(cut.values())
     return (prior or {}).get(strategy, max((prior or {}).values(), default=0.0))
 
 
@@ -1312,7 +1329,8 @@ def main(argv=None) -> int:
         if preset.sft is not None and args.device.startswith("cuda") and math.isfinite(deadline):
             try: prior = gpu_call_estimate(preset)["run_s"]                  # the first run of a call, before any finished
             except (OSError, ValueError, KeyError) as e: print(f"reproduce: no run-time estimate ({e}); the first run starts regardless")
-        done = run_all(preset, args.out, args.device, deadline, base=args.base, prior_run_s=prior)
+        done = run_all(preset, args.out, args.device, deadline, base=args.base, prior_run_s=prior,
+                       budget_s=args.time_budget if args.time_budget > 0 else math.inf)
         device = "gpu" if args.device.startswith("cuda") else "cpu"
         results = args.results or (None if preset.name.startswith("smoke") else REPO / "benchmarks" / "results" / f"reproduce_{device}.jsonl")
         table = None

@@ -434,3 +434,24 @@ def test_the_fp8_kv_strategy_runs_on_the_gpu_base_for_issue_34():
     preset = R.preset_from_args(args)
     assert preset.strategies == ("jet-fp8kv",) and preset.seeds == (0, 1) and preset.sft == R.PRESETS["gpu"].sft
     assert R.build_policy("jet-fp8kv", "jetrl-tiny", "cpu").spec.kv_fp8 and "jet-fp8kv" in R.DESCRIPTIONS
+
+
+def test_a_run_that_cannot_fit_a_call_is_refused_not_started_again_and_again(tmp_path):
+    """expected_run_seconds: finished runs (steps x s/step, their overhead and eval), else the s/step a cut run measured
+    (OUT/step_seconds.json, which --pack carries), else the plan's prior. A run expected to outlast a call's whole budget
+    is one error, where it would otherwise be started and cut in every call."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert R.expected_run_seconds(out, "jet", 30, prior={"bf16": 100.0, "jet": 120.0}) == 120.0
+    assert R.expected_run_seconds(out, "fp8-rollout", 30, prior={"bf16": 100.0, "jet": 120.0}) == 120.0   # the largest
+    R.record_step_seconds(out, "jet", 20.0)
+    assert R.expected_run_seconds(out, "jet", 30, prior={"jet": 120.0}) == 600.0 == R.expected_run_seconds(out, "bf16", 30)
+    finished = R.run_dir(out, "bf16", 0)
+    finished.mkdir(parents=True)
+    (finished / "metrics.jsonl").write_text(json.dumps({"config": {}}) + "\n" + "".join(json.dumps({"step": i, "time/step": 2.0}) + "\n" for i in range(3)))
+    (finished / "done.json").write_text(json.dumps({"overhead_s": 5.0, "eval_seconds": 4.0}))
+    assert R.expected_run_seconds(out, "bf16", 30) == 30 * 2.0 + 5.0 + 4.0
+    smoke = R.replace(R.PRESETS["smoke"], strategies=("jet",), eval_prompts=0)
+    with pytest.raises(RuntimeError, match=r"jet run takes about 60 s, more than a call's whole --time-budget \(50 s\)"):
+        R.run_all(R.replace(smoke, train=R.replace(smoke.train, steps=3)), out, "cpu", math.inf, log=lambda *_: None, budget_s=50)
+    assert not R.run_dir(out, "jet", 0).exists()                                # nothing started
