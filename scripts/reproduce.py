@@ -346,13 +346,16 @@ def save_base(folder: Path, into: Path, record: dict) -> list[Path]:
     (into / BASE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     return parts + [into / BASE_RECORD]
 
-def use_base(source: Path, out: Path, log=print) -> dict:
-    """OUT/base from the base saved in `source` (`save_base`): restored from its parts when OUT lacks it, then its
-    fingerprint checked against source/base.json, and against the base OUT's runs started from (OUT/base.json).
-    Writes OUT/base.json and, when the record holds it, OUT/eval_base.json. Returns the record."""
+def use_base(source: Path, out: Path, log=print, preset: str | None = None) -> dict:
+    """OUT/base from the base saved in `source` (`save_base`) for `preset` (None: any): restored from its parts when OUT
+    lacks it, then its fingerprint checked against source/base.json, and against the base OUT's runs started from
+    (OUT/base.json). Writes OUT/base.json and, when the record holds it, OUT/eval_base.json. Returns the record."""
     if not (source / BASE_RECORD).is_file():
         raise FileNotFoundError(f"no {BASE_RECORD} in {source}: give --base the folder that --base-only wrote")
     record = json.loads((source / BASE_RECORD).read_text())
+    if preset is not None and record.get("preset") not in (None, preset):
+        raise ValueError(f"the base in {source} was built for the {record['preset']} preset, not {preset}: give --base the "
+                         f"folder that --preset {preset} --base-only wrote")
     want = record["base_fingerprint"]
     if (out / BASE_RECORD).exists() and (had := json.loads((out / BASE_RECORD).read_text())["base_fingerprint"]) != want:
         raise ValueError(f"{out} holds runs of base {had} and {source} holds base {want}: give --base the base those runs "
@@ -495,7 +498,7 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, 
     longer than the call's whole `budget_s` is an error (it could never finish in one call)."""
     model = preset.train.model
     if preset.sft is not None:
-        if base is not None: use_base(base, out, log)
+        if base is not None: use_base(base, out, log, preset.name)
         elif not train_base_policy(preset.sft, out / "base", device, deadline, log): return False
         model = str(out / "base")
         check_base_format(out / "base", preset.sft)

@@ -346,6 +346,8 @@ def test_a_carried_base_is_restored_checked_and_named_in_every_row(saved_base, t
     for part in saved_base.glob("base.tgz.part*"): (tmp_path / "bad" / part.name).write_bytes(part.read_bytes())
     with pytest.raises(ValueError, match="not ffff"):
         R.use_base(tmp_path / "bad", tmp_path / "fresh", log=lambda *_: None)              # parts that are not the named base
+    with pytest.raises(ValueError, match="built for the smoke-sft preset, not gpu"):
+        R.run_all(R.PRESETS["gpu"], tmp_path / "g", "cpu", math.inf, base=saved_base, log=lambda *_: None)
     with pytest.raises(ValueError, match="--base is for the presets that train their base"):
         R.run_all(R.PRESETS["smoke"], tmp_path / "s", "cpu", math.inf, base=saved_base)
     with pytest.raises(SystemExit):
