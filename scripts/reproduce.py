@@ -5,7 +5,7 @@ rollout precisions), same prompts, seeds and settings; one command, one seed lis
     python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 500   # one H200 call; again resumes
     python scripts/reproduce.py --preset gpu --plan                          # state sizes, the device calls and their times
     python scripts/reproduce.py --preset gpu --base-only --base runs/gpu_base --out /tmp/sft   # the base alone, as parts
-    python scripts/reproduce.py --preset gpu --base runs/gpu_base --out runs/parity --time-budget 480   # every run on that base
+    python scripts/reproduce.py --preset gpu --base runs/gpu_base --out runs/parity --time-budget 470   # every run on that base
     python scripts/reproduce.py --report-from benchmarks/results/reproduce_gpu.jsonl --out DIR   # redraw a saved report
 
 What it does, in order, each stage resumable (run the same command again to continue; nothing is redone):
@@ -30,7 +30,10 @@ several calls. `--pack DIR` writes the whole OUT folder as a few gzip'd tar part
 all, or it stops and says which files are too big); `--unpack DIR` restores it before the work starts.
 
 Learning is scored twice: the train accuracy (sampled, new prompts every step: noisy) and the held-out accuracy of
-the master weights before and after training (256 fixed prompts x 4 samples at the training temperature).
+the master weights before and after training (256 fixed prompts x 4 samples at the training temperature). Each row
+also carries what would show why a strategy learns differently: the tokens a clip cut by the advantage's sign (in the
+loss, and with the rollout's log-probs as pi_old), entropy, gradient norm, KL to the starting policy, and the mismatch by
+token position; the report's second figure draws them per step.
 
 Deviations from the paper, stated once: models of 3-22M parameters, not 7-32B; synthetic tasks with exact rewards;
 the rollout engine is jetrl's own; the rungs below FP8 (`rollout-nvfp4`, `rollout-mxfp4`, `rollout-fp4-rowwise`)
