@@ -449,7 +449,7 @@ def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Pat
     if policy is None:
         model, tokenizer = load_model_and_tokenizer(config.model)
         policy = Policy(model, tokenizer, spec, device=world.device, exact=config.exact, kernel_options=config.kernels)
-    ref_model = copy.deepcopy(policy.model).eval().requires_grad_(False) if config.grpo.beta > 0 else None
+    ref_model = copy.deepcopy(policy.model).eval().requires_grad_(False) if config.grpo.beta > 0 or config.log_kl_to_start else None
     shard_policy(policy, world)
     if ref_model is not None: shard_model(ref_model, world)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)

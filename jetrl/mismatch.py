@@ -6,7 +6,7 @@ Docs: https://jetrl.github.io/jetrl/mismatch.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_ABS_LOG_RATIO', 'LOGP_TOLERANCE', 'MISMATCH_KEYS', 'check_logps', 'mismatch_metrics', 'mismatch_by_position',
-           'kl_to_prev_policy', 'ratio_stats']
+           'kl_to_prev_policy', 'ratio_stats', 'clip_by_advantage_sign']
 
 # %% ../nbs/07_mismatch.ipynb #cell-004
 import math
@@ -131,3 +131,26 @@ def ratio_stats(logp_new: Tensor,  # (B, T) log-probs under the policy being opt
     values = torch.stack([ratio.mean(), ratio.min(), ratio.max(), low_out.double().mean(), high_out.double().mean(),
                           (low_out | high_out).double().mean()]).tolist()
     return dict(zip(names, values))
+
+# %% ../nbs/07_mismatch.ipynb #cell-030b
+def clip_by_advantage_sign(logp_new: Tensor,  # (B, T) log-probs of the policy whose ratio is clipped
+                           logp_old: Tensor,  # (B, T) log-probs taken as pi_old
+                           advantages: Tensor,  # (B,) each completion's advantage
+                           mask: Tensor,  # (B, T) 1 for real tokens
+                           *, epsilon: float = 0.2,  # the lower clip: 1 - epsilon
+                           epsilon_high: float | None = None,  # the upper clip; None: epsilon
+                           prefix: str = "clip_ratio/",  # TRL's names: clip_ratio/low_mean, clip_ratio/high_mean
+                          ) -> dict[str, float]:
+    """Fractions of the real tokens that a clip cuts: negative advantage with r < 1 - eps (`low_mean`), positive advantage
+    with r > 1 + eps_high (`high_mean`), r = pi_new / pi_old; NaN when there is no real token."""
+    mask = check_logps(mask, logp_new=logp_new, logp_old=logp_old)
+    if advantages.shape != mask.shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; give one per row of the (B, T) log-probs, ({mask.shape[0]},)")
+    names = [prefix + "low_mean", prefix + "high_mean"]
+    if not mask.any(): return dict.fromkeys(names, math.nan)
+    high = epsilon if epsilon_high is None else epsilon_high
+    d = torch.where(mask, logp_new.detach().double() - logp_old.detach().double(), 0.0)
+    ratio, adv = d.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO).exp(), advantages.detach().to(d.device)[:, None]
+    low, high_cut = mask & (adv < 0) & (ratio < 1 - epsilon), mask & (adv > 0) & (ratio > 1 + high)
+    n = mask.sum()
+    return dict(zip(names, (torch.stack([low.sum(), high_cut.sum()]).double() / n).tolist()))

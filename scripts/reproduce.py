@@ -3,7 +3,9 @@ rollout precisions), same prompts, seeds and settings; one command, one seed lis
 
     python scripts/reproduce.py --preset workshop --out runs/reproduce        # CPU, the dose-response
     python scripts/reproduce.py --preset gpu --out runs/reproduce_gpu --time-budget 500   # one H200 call; again resumes
-    python scripts/reproduce.py --preset gpu --plan                          # state sizes and the one-call time estimate
+    python scripts/reproduce.py --preset gpu --plan                          # state sizes, the device calls and their times
+    python scripts/reproduce.py --preset gpu --base-only --base runs/gpu_base --out /tmp/sft   # the base alone, as parts
+    python scripts/reproduce.py --preset gpu --base runs/gpu_base --out runs/parity --time-budget 470   # every run on that base
     python scripts/reproduce.py --report-from benchmarks/results/reproduce_gpu.jsonl --out DIR   # redraw a saved report
 
 What it does, in order, each stage resumable (run the same command again to continue; nothing is redone):
@@ -15,13 +17,23 @@ What it does, in order, each stage resumable (run the same command again to cont
    (strategy, seed), each marked `complete`: whether every run of the set is finished; written also when the time
    budget stopped the call), then OUT/report.html (its figure needs plotly; without it, a note and the table only).
 
+The base is what every seed of a comparison must share: its SFT runs with torch's deterministic algorithms (the same
+bits from the same seed and data on one kind of GPU and software), and `--base-only --base DIR` saves it as
+`DIR/base.tgz.partNN` (<= 15 MiB each) with `DIR/base.json` (its `base_fingerprint`, a hash of the weights, its SFT's
+numbers and held-out accuracy). `--base DIR` then runs on that base, restored into OUT/base and checked against the
+fingerprint (an OUT whose runs started from another base is refused); `--pack` leaves it out of OUT's parts. Every
+results row names its base's fingerprint.
+
 `--time-budget S` stops at a step boundary before S seconds have passed (a run's next step is started only if
 the mean step time so far fits), so a GPU machine lent in calls of at most 10 minutes can spread the work over
 several calls. `--pack DIR` writes the whole OUT folder as a few gzip'd tar parts of at most 15 MiB each (60 MiB in
 all, or it stops and says which files are too big); `--unpack DIR` restores it before the work starts.
 
 Learning is scored twice: the train accuracy (sampled, new prompts every step: noisy) and the held-out accuracy of
-the master weights before and after training (256 fixed prompts x 4 samples at the training temperature).
+the master weights before and after training (256 fixed prompts x 4 samples at the training temperature). Each row
+also carries what would show why a strategy learns differently: the tokens a clip cut by the advantage's sign (in the
+loss, and with the rollout's log-probs as pi_old), entropy, gradient norm, KL to the starting policy, and the mismatch by
+token position; the report's second figure draws them per step.
 
 Deviations from the paper, stated once: models of 3-22M parameters, not 7-32B; synthetic tasks with exact rewards;
 the rollout engine is jetrl's own; the rungs below FP8 (`rollout-nvfp4`, `rollout-mxfp4`, `rollout-fp4-rowwise`)
@@ -29,9 +41,12 @@ emulate 4-bit E2M1 with the fake quantizer of this script, for the dose-response
 """
 from __future__ import annotations
 
-import argparse, copy, io, json, math, re, shlex, sys, tarfile, time
+import argparse, contextlib, copy, hashlib, io, json, math, os, re, shlex, sys, tarfile, time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+# cuBLAS is deterministic only with a fixed workspace, read when it starts: set before any CUDA work (see deterministic_algorithms)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 import torch.nn as nn
@@ -125,7 +140,7 @@ def _rollout_spec(name: str, recipe: FP8Recipe) -> PrecisionSpec:
 
 # name -> (PrecisionSpec, FP4 options or None). The ladder turns only the rollout side down; training stays high precision.
 VARIANTS: dict[str, tuple[PrecisionSpec, dict | None]] = {
-    **{name: (STRATEGIES[name], None) for name in ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet")},
+    **{name: (STRATEGIES[name], None) for name in ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet", "jet-fp8kv")},
     "rollout-rowwise": (_rollout_spec("rollout-rowwise", RECIPES["rowwise"]), None),
     "rollout-tensorwise": (_rollout_spec("rollout-tensorwise", RECIPES["tensorwise"]), None),
     "rollout-tensorwise-e5m2": (_rollout_spec("rollout-tensorwise-e5m2",
@@ -137,6 +152,7 @@ VARIANTS: dict[str, tuple[PrecisionSpec, dict | None]] = {
 DESCRIPTIONS = {"bf16": "training and rollout in high precision", "fp8-rollout": "rollout FP8 E4M3 1x128 / 128x128",
                 "fp8-rollout-tis": "fp8-rollout + truncated importance sampling (C = 2)",
                 "jet": "training and rollout FP8 E4M3 1x128 / 128x128, one quantizer",
+                "jet-fp8kv": "jet, and keys and values in FP8 E4M3 (a scale per token and head) on both sides",
                 "rollout-rowwise": "rollout FP8 E4M3 per row", "rollout-tensorwise": "rollout FP8 E4M3 per tensor",
                 "rollout-tensorwise-e5m2": "rollout FP8 E5M2 per tensor",
                 "rollout-nvfp4": "rollout 4-bit E2M1, 1x16 groups, fp32 scales (emulated)",
@@ -185,6 +201,7 @@ class SFTSpec:
     lr: float = 1e-3
     warmup_steps: int = 100
     seed: int = 0
+    deterministic: bool = True          # torch's deterministic algorithms (deterministic_algorithms): the same bits each time
 
 def sft_rows(spec: SFTSpec, n: int, offset: int = 0) -> list[dict]:
     "n chain rows, lengths cycling through `spec.chain_steps`, seeded apart from GRPO's and the held-out prompts (>= 2 * 10**9)."
@@ -194,6 +211,26 @@ def sft_rows(spec: SFTSpec, n: int, offset: int = 0) -> list[dict]:
         task = ArithmeticChainTask(steps=steps, digits=spec.digits, operators="+-", seed=SFT_SEED + spec.seed * 10**7 + i)
         rows.append(task.sample(1)[0])
     return rows
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool = True):
+    """With `on`: torch's deterministic algorithms (an op that has none raises, named in a one-line RuntimeError), cuDNN's,
+    no TF32, so that a training run's bits depend on its seed and data alone on one kind of GPU and software
+    (CUBLAS_WORKSPACE_CONFIG, which cuBLAS needs for that, is set when this script is imported). Restored after."""
+    if not on: yield; return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = True, False, False
+    try: yield
+    except RuntimeError as e:
+        if "deterministic" not in str(e): raise
+        raise RuntimeError(f"the deterministic SFT met an op without a deterministic kernel here ({str(e).splitlines()[0][:160]}); "
+                           "run with --nondeterministic-sft to train the base anyway, then build it twice and compare the "
+                           "fingerprints before sharing it") from None
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = saved[2:]
 
 def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float, log=print) -> bool:
     "Train the base policy into `folder` (resumable: `folder/sft_state.pt`); True when done, False at the deadline."
@@ -220,19 +257,20 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
     model.train()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
     start, tail, tail_steps = time.perf_counter(), torch.zeros((), device=device), 0     # the last SFT_TAIL steps' loss
-    while step < spec.steps:
-        if time.time() > deadline:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_file)
-            log(f"sft: stopped at step {step} (time budget); run again to continue"); return False
-        rows = sft_rows(spec, spec.batch_size, offset=step * spec.batch_size)
-        batch = {k: v.to(device) for k, v in encode_worked(tokenizer, rows).items()}
-        for group in optimizer.param_groups: group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup_steps)
-        with autocast: loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True); loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
-        if step % 100 == 0: log(f"sft step {step:5d} loss {loss.item():.4f} {time.perf_counter() - start:7.1f} s")
-        if step >= spec.steps - SFT_TAIL: tail += loss.detach(); tail_steps += 1
-        step += 1
+    with deterministic_algorithms(spec.deterministic):
+        while step < spec.steps:
+            if time.time() > deadline:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_file)
+                log(f"sft: stopped at step {step} (time budget); run again to continue"); return False
+            rows = sft_rows(spec, spec.batch_size, offset=step * spec.batch_size)
+            batch = {k: v.to(device) for k, v in encode_worked(tokenizer, rows).items()}
+            for group in optimizer.param_groups: group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup_steps)
+            with autocast: loss = model(**batch).loss
+            optimizer.zero_grad(set_to_none=True); loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
+            if step % 100 == 0: log(f"sft step {step:5d} loss {loss.item():.4f} {time.perf_counter() - start:7.1f} s")
+            if step >= spec.steps - SFT_TAIL: tail += loss.detach(); tail_steps += 1
+            step += 1
     model.eval().to("cpu", torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model.generation_config.pad_token_id = 0
     from jetrl.models import no_progress_bars
@@ -280,6 +318,65 @@ def encode_worked(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+# ---------------------------------------------------------------- the base, carried between machines
+BASE_STEM = "base.tgz"          # a saved base: DIR/base.tgz.partNN and DIR/base.json
+BASE_RECORD = "base.json"       # in a saved base's folder, and in an OUT whose base came from one (--base)
+
+def model_folder(model_name: str) -> Path:
+    "The local folder of a model name (jetrl-tiny's is in the package)."
+    from jetrl.tiny import TINY_DIR
+    return TINY_DIR if model_name == "jetrl-tiny" else Path(model_name)
+
+def base_fingerprint(model_name: str) -> str:
+    """A hash of a model's weights (sha256 over every tensor of its safetensors files, by name: dtype, shape and bytes),
+    16 hex digits: two bases with one fingerprint hold the same bits, however they were saved."""
+    from safetensors import safe_open
+    files = sorted(model_folder(model_name).glob("*.safetensors"))
+    if not files: raise FileNotFoundError(f"no *.safetensors in {model_folder(model_name)}: give a model folder saved with save_pretrained")
+    digest = hashlib.sha256()
+    for file in files:
+        with safe_open(file, "pt") as weights:
+            for name in sorted(weights.keys()):
+                t = weights.get_tensor(name).contiguous()
+                digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode()); digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+def save_base(folder: Path, into: Path, record: dict) -> list[Path]:
+    """The base in `folder` (weights, tokenizers, sft.json; not an SFT's resume state) as `into/base.tgz.partNN`, and
+    `into/base.json`: `record` with the base's fingerprint and SFT numbers. Returns the files written."""
+    record = record | {"base_fingerprint": base_fingerprint(str(folder)), "sft": json.loads((folder / "sft.json").read_text())}
+    parts = write_parts(_tgz(folder, {(folder / "sft_state.pt").resolve()}), into, BASE_STEM)
+    (into / BASE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    return parts + [into / BASE_RECORD]
+
+def use_base(source: Path, out: Path, log=print, preset: str | None = None) -> dict:
+    """OUT/base from the base saved in `source` (`save_base`) for `preset` (None: any): restored from its parts when OUT
+    lacks it, then its fingerprint checked against source/base.json, and against the base OUT's runs started from
+    (OUT/base.json). Writes OUT/base.json and, when the record holds it, OUT/eval_base.json. Returns the record."""
+    if not (source / BASE_RECORD).is_file():
+        raise FileNotFoundError(f"no {BASE_RECORD} in {source}: give --base the folder that --base-only wrote")
+    record = json.loads((source / BASE_RECORD).read_text())
+    if preset is not None and record.get("preset") not in (None, preset):
+        raise ValueError(f"the base in {source} was built for the {record['preset']} preset, not {preset}: give --base the "
+                         f"folder that --preset {preset} --base-only wrote")
+    want = record["base_fingerprint"]
+    if (out / BASE_RECORD).exists() and (had := json.loads((out / BASE_RECORD).read_text())["base_fingerprint"]) != want:
+        raise ValueError(f"{out} holds runs of base {had} and {source} holds base {want}: give --base the base those runs "
+                         "started from, or use another --out")
+    folder = out / "base"
+    if not (folder / "config.json").exists():
+        extract_parts(source, BASE_STEM, folder, "--base-only")
+        log(f"base {want}: restored from {source} into {folder}")
+    have = base_fingerprint(str(folder))
+    if have != want:
+        raise ValueError(f"{folder} holds base {have}, not {want} as {source / BASE_RECORD} says: an OUT SFT'd in place or parts "
+                         "from another build; use another --out, or copy the folder --base-only wrote again")
+    (out / BASE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    if record.get("eval_base") is not None and not (out / "eval_base.json").exists():
+        (out / "eval_base.json").write_text(json.dumps(record["eval_base"]) + "\n")
+    return record
+
+
 # ---------------------------------------------------------------- presets
 WORKSHOP = ("bf16", "jet", "fp8-rollout", "rollout-tensorwise-e5m2", "rollout-nvfp4", "rollout-fp4-rowwise")
 
@@ -317,9 +414,13 @@ GPU_STEPS = 30
 GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # a 2,000-step SFT of this base was at loss 0.006 by step 1500 and 0.0036 over its last 100
 GPU_LR = 2e-5
+# Learning parity (issue 35) needs seeds enough for an interval: 5 of the gpu preset, all on one base (--base). jet runs
+# right after bf16 in each seed, so a set stopped early still holds whole pairs of the comparison that matters most.
+GPU_SEEDS = (0, 1, 2, 3, 4)
 # The long preset: a worked step is ~11 tokens of this tokenizer, so 200-step chains give worked solutions of ~2,180
 # tokens (`worked_tokens`); the prompt lists the 200 moves (604 tokens on average, measured the same way). Its rows per step are half the gpu preset's
-# so that a run's 30 steps fit one device call (a run's checkpoint is too large to carry between calls unfinished).
+# so that a run's 30 steps fit one device call (a run's checkpoint is too large to carry between calls unfinished). It
+# records no token samples: at ~2,200 tokens they would be most of the state each device call carries.
 LONG_CHAIN_STEPS = 200
 LONG_NEW_TOKENS = 2560
 LONG_POSITIONS = 4096
@@ -328,22 +429,29 @@ LONG_SFT_STEPS = 800
 
 PRESETS = {
     "smoke": Preset("smoke", "seconds: two strategies, two steps (tests)", ("bf16", "fp8-rollout"), (0,),
-                    _config(steps=2, prompts_per_step=2, group_size=4, record_samples=1), window=1, eval_prompts=16),
+                    _config(steps=2, prompts_per_step=2, group_size=4, record_samples=1, log_kl_to_start=True), window=1, eval_prompts=16),
+    "smoke-sft": Preset("smoke-sft", "seconds: a tiny base SFT'd first (tests of --base), two strategies, two steps", ("bf16", "jet"), (0, 1),
+                        _config(task="arithmetic_chain", task_knobs=(("digits", 1), ("operators", "+-"), ("steps", 2)), steps=2,
+                                prompts_per_step=2, group_size=4, max_new_tokens=24, record_samples=1, log_kl_to_start=True),
+                        sft=SFTSpec(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, max_positions=256,
+                                    chain_steps=(2, 3), digits=1, steps=3, batch_size=4, warmup_steps=1),
+                        window=1, eval_prompts=8),
     "workshop": Preset("workshop", "CPU, the dose-response: the shipped tiny policy, its rollout precision turned down rung by rung "
                        "(bf16 -> FP8 E4M3 1x128 -> FP8 E5M2 per tensor -> 4-bit E2M1 1x16 -> 4-bit E2M1 per row), and jet",
                        WORKSHOP, (0, 1),
                        _config(steps=30, prompts_per_step=8, group_size=8, lr=2e-4, warmup_steps=5, record_samples=1)),
     "gpu": Preset("gpu", "GPU: a 22M-parameter Qwen2 trained on worked chain solutions, GRPO with ~500-token completions",
-                  ("bf16", "fp8-rollout", "fp8-rollout-tis", "jet"), (0, 1),
+                  ("bf16", "jet", "fp8-rollout", "fp8-rollout-tis"), GPU_SEEDS,
                   _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
                           steps=GPU_STEPS, prompts_per_step=GPU_PROMPTS, group_size=8, max_new_tokens=640, lr=GPU_LR, record_samples=1,
-                          position_bucket=64, micro_batch_size=128, warmup_steps=5),
+                          position_bucket=64, micro_batch_size=128, warmup_steps=5, log_kl_to_start=True),
                   sft=SFTSpec(steps=GPU_SFT_STEPS)),
     "gpu-long": Preset("gpu-long", "GPU, toward the paper's regime: the 22M-parameter Qwen2 trained on 200-step chains, GRPO with "
                        "~2,200-token completions", ("bf16", "jet", "fp8-rollout"), (0, 1, 2),
                        _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", LONG_CHAIN_STEPS)),
                                steps=GPU_STEPS, prompts_per_step=LONG_PROMPTS, group_size=8, max_new_tokens=LONG_NEW_TOKENS,
-                               lr=GPU_LR, record_samples=1, position_bucket=256, micro_batch_size=32, warmup_steps=5),
+                               lr=GPU_LR, record_samples=0, position_bucket=256, micro_batch_size=32, warmup_steps=5,
+                               log_kl_to_start=True),
                        sft=SFTSpec(steps=LONG_SFT_STEPS, batch_size=16, chain_steps=(8, 32, 64, 128, LONG_CHAIN_STEPS),
                                    max_positions=LONG_POSITIONS)),
 }
@@ -385,13 +493,21 @@ def base_accuracy(preset: Preset, out: Path, model_name: str, device: str) -> fl
 
 def run_dir(out: Path, strategy: str, seed: int) -> Path: return out / "runs" / f"{strategy}_seed{seed}"
 
-def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) -> bool:
-    "Every (seed, strategy) run of `preset`, in order; True when all are done, False when the deadline stopped it."
+def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, base: Path | None = None,
+            prior_run_s: dict | None = None, budget_s: float = math.inf) -> bool:
+    """Every (seed, strategy) run of `preset`, in order, on its base: SFT'd into OUT/base, or restored from `base` (a folder
+    `save_base` wrote; `use_base`). True when all are done, False when the deadline stopped it. A run starts only if
+    `expected_run_seconds` (`prior_run_s` while none is finished or cut) fits before the deadline; one expected to take
+    longer than the call's whole `budget_s` is an error (it could never finish in one call)."""
     model = preset.train.model
     if preset.sft is not None:
-        if not train_base_policy(preset.sft, out / "base", device, deadline, log): return False
+        if base is not None: use_base(base, out, log, preset.name)
+        elif not train_base_policy(preset.sft, out / "base", device, deadline, log): return False
         model = str(out / "base")
         check_base_format(out / "base", preset.sft)
+    elif base is not None:
+        raise ValueError(f"--base is for the presets that train their base ({', '.join(n for n, p in PRESETS.items() if p.sft)}); "
+                         f"{preset.name} starts from {preset.train.model} as it is: leave --base out")
     before = base_accuracy(preset, out, model, device)
     if before is not None:
         log(f"base policy: held-out accuracy {before:.3f} ({preset.eval_prompts} prompts x {EVAL_SAMPLES} samples)"
@@ -401,13 +517,16 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) 
             folder = run_dir(out, strategy, seed)
             if (folder / "done.json").exists(): continue
             config = replace(preset.train, model=model, strategy=strategy, seed=seed)
-            expected = expected_run_seconds(out, strategy, config.steps)
+            expected = expected_run_seconds(out, strategy, config.steps, prior_run_s)
+            if not (folder / "checkpoint").exists() and expected > budget_s:
+                raise RuntimeError(f"a {strategy} run takes about {expected:.0f} s, more than a call's whole --time-budget "
+                                   f"({budget_s:.0f} s), and an unfinished run is not carried: give a larger --time-budget or fewer --steps")
             if not (folder / "checkpoint").exists() and time.time() + expected > deadline:
                 log(f"{strategy} seed {seed}: not started, it would take about {expected:.0f} s (the time per step of the "
                     "finished runs) and the time budget is nearly spent; run again to continue")
                 return False
             policy = build_policy(strategy, model, device)
-            started, times = time.time(), []
+            started, times = time.time(), []                       # times: this call's steps (time/step)
             def on_step(metrics, times=times):
                 times.append(metrics["time/step"])
                 mean = sum(times) / len(times)
@@ -415,26 +534,67 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print) 
             run = train(config, folder, resume=(folder / "metrics.jsonl").exists(), callbacks=[on_step], policy=policy,
                         progress=sys.stderr.isatty())
             steps_done = len(read_metrics(folder)[1])
+            if times: record_step_seconds(out, strategy, sum(times) / len(times))
             log(f"{strategy} seed {seed}: {steps_done}/{config.steps} steps, {time.time() - started:.0f} s this call")
             if steps_done < config.steps: return False
-            done = {"steps": steps_done, "seconds_this_call": round(time.time() - started, 1)}
+            seconds = time.time() - started
+            done = {"steps": steps_done, "seconds_this_call": round(seconds, 1), "steps_this_call": len(times),
+                    "overhead_s": round(seconds - sum(times), 1)}               # start-up, checkpoints: a run's seconds beside its steps
             if preset.eval_prompts:
+                started = time.time()
                 done["eval_accuracy"] = held_out_accuracy(run.policy.model, run.policy.tokenizer, eval_rows(preset), config)
+                done["eval_seconds"] = round(time.time() - started, 1)
                 log(f"{strategy} seed {seed}: held-out accuracy {done['eval_accuracy']:.3f}")
             (folder / "done.json").write_text(json.dumps(done) + "\n")
             import shutil; shutil.rmtree(folder / "checkpoint", ignore_errors=True)   # a finished run keeps its metrics only
     return True
 
 
-def expected_run_seconds(out: Path, strategy: str, steps: int) -> float:
-    "A fresh run's duration: `steps` x the mean step time of this strategy's finished runs, else of the slowest finished run; 0 if none."
+def build_base(preset: Preset, out: Path, device: str, deadline: float, into: Path, command: str, log=print) -> dict:
+    """`--base-only`: the preset's base SFT'd into OUT/base, checked (`check_base_format`), its held-out accuracy measured,
+    then saved into `into` (`save_base`) with the preset, that accuracy, the command, date and commit. Returns the record."""
+    if preset.sft is None:
+        raise ValueError(f"--base-only builds the base of a preset that trains one ({', '.join(n for n, p in PRESETS.items() if p.sft)}); "
+                         f"{preset.name} starts from {preset.train.model}")
+    if not train_base_policy(preset.sft, out / "base", device, deadline, log):
+        raise RuntimeError(f"the SFT stopped at --time-budget, and its resume state (weights and AdamW moments in fp32) is too "
+                           f"large to carry between device calls: run --base-only with a larger --time-budget, or none")
+    check_base_format(out / "base", preset.sft)
+    base_accuracy(preset, out, str(out / "base"), device)
+    evaluated = json.loads((out / "eval_base.json").read_text()) if (out / "eval_base.json").exists() else None
+    files = save_base(out / "base", into, {"preset": preset.name, "eval_base": evaluated, "command": command, **provenance()})
+    record = json.loads((into / BASE_RECORD).read_text())
+    log(f"base {record['base_fingerprint']} ({preset.name}): held-out accuracy "
+        f"{'-' if evaluated is None else format(evaluated['accuracy'], '.3f')}; saved as "
+        + ", ".join(f"{f.name} ({f.stat().st_size / MiB:.1f} MiB)" for f in files) + f" in {into}")
+    return record
+
+
+STEP_SECONDS = "step_seconds.json"   # in OUT: strategy -> mean s/step of its latest run there, finished or cut short
+                                     # (a cut run's folder is left out of --pack; this small file travels)
+
+def record_step_seconds(out: Path, strategy: str, seconds: float) -> None:
+    file = out / STEP_SECONDS
+    record = json.loads(file.read_text()) if file.exists() else {}
+    file.write_text(json.dumps(record | {strategy: round(seconds, 3)}) + "\n")
+
+def expected_run_seconds(out: Path, strategy: str, steps: int, prior: dict | None = None) -> float:
+    """A fresh run's duration: `steps` x the mean step time of this strategy's finished runs, plus their seconds beside
+    the steps and their eval's (done.json); else `steps` x the step time its latest run measured (OUT/step_seconds.json,
+    a run cut short included); else the slowest finished run's, or the slowest recorded step time; else
+    `prior[strategy]` (the plan's estimate; the largest of it for a strategy it lacks), else 0."""
     per_run = {}
     for f in (out / "runs").glob("*_seed*"):
         if (f / "done.json").exists():
-            times = [m["time/step"] for m in read_metrics(f)[1]]
-            per_run.setdefault(f.name.rsplit("_seed", 1)[0], []).append(sum(times) / max(len(times), 1))
-    if strategy in per_run: return steps * _mean(per_run[strategy])
-    return steps * max((max(v) for v in per_run.values()), default=0.0)
+            done, times = json.loads((f / "done.json").read_text()), [m["time/step"] for m in read_metrics(f)[1]]
+            per_run.setdefault(f.name.rsplit("_seed", 1)[0], []).append(
+                steps * sum(times) / max(len(times), 1) + done.get("overhead_s", 0.0) + done.get("eval_seconds", 0.0))
+    cut = json.loads((out / STEP_SECONDS).read_text()) if (out / STEP_SECONDS).exists() else {}
+    if strategy in per_run: return _mean(per_run[strategy])
+    if strategy in cut: return steps * cut[strategy]
+    if per_run: return max(max(v) for v in per_run.values())
+    if cut: return steps * max(cut.values())
+    return (prior or {}).get(strategy, max((prior or {}).values(), default=0.0))
 
 
 # ---------------------------------------------------------------- the report
@@ -443,9 +603,10 @@ def _mean(values):
     return sum(values) / len(values) if values else math.nan
 
 def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], model_params: int, command: str,
-                evals: tuple[float | None, float | None] = (None, None)) -> dict:
-    "One row of the results file."
-    w = preset.window
+                evals: tuple[float | None, float | None] = (None, None), base_fingerprint: str | None = None,
+                done: dict | None = None) -> dict:
+    "One row of the results file; `done`: the run's done.json (its seconds beside the steps, its eval's seconds)."
+    w, done = preset.window, done or {}
     first, last = _mean([m["accuracy"] for m in history[:w]]), _mean([m["accuracy"] for m in history[-w:]])
     finite = all(math.isfinite(m.get("loss", 0.0)) and math.isfinite(m.get("grad_norm", 0.0)) for m in history)
     key = lambda k: _mean([m.get(k) for m in history])
@@ -462,11 +623,19 @@ def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], m
             "completion_length_mean": key("completions/mean_length"), "seconds_per_step": key("time/step"),
             # the diagnostics of a learning difference: clipping split by the advantage's sign (TRL's clip_ratio/low_mean
             # is the negative-advantage tokens below 1 - epsilon, high_mean the positive ones above 1 + epsilon_high, each
-            # a fraction of all completion tokens), entropy and gradient norm at the end of training
+            # a fraction of all completion tokens; rollout_clip_frac_*: the same cuts with the rollout's log-probs as
+            # pi_old, what the mismatch alone would clip), entropy, gradient norm, KL to the starting policy at the end of
+            # training, and the mismatch by token position over the whole run
             "clip_frac_neg_adv": key("clip_ratio/low_mean"), "clip_frac_pos_adv": key("clip_ratio/high_mean"),
+            "rollout_clip_frac_neg_adv": key("mismatch/clip_ratio/low_mean"), "rollout_clip_frac_pos_adv": key("mismatch/clip_ratio/high_mean"),
             "entropy_first": _mean([m.get("entropy") for m in history[:w]]),
             "entropy_last": _mean([m.get("entropy") for m in history[-w:]]),
-            "grad_norm_mean": key("grad_norm"), "kl_to_prev_policy_mean": key("drift/kl_to_prev_policy"),
+            "grad_norm_mean": key("grad_norm"), "grad_norm_max": max((m["grad_norm"] for m in history if "grad_norm" in m), default=None),
+            "kl_to_prev_policy_mean": key("drift/kl_to_prev_policy"),
+            "kl_to_start_last": _mean([m.get("drift/kl_to_start") for m in history[-w:]]),
+            "logp_abs_diff_by_position": dict(zip(("positions", "logp_abs_diff_mean"), position_profile(history, parts=1)[0][1:])),
+            "base_fingerprint": base_fingerprint, "rows_per_step": preset.train.rows_per_step,
+            "overhead_s": done.get("overhead_s"), "eval_seconds": done.get("eval_seconds"),
             "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command, **provenance(),
             "complete": None}                                  # write_report: whether every run of the set is finished
 
@@ -509,7 +678,7 @@ def position_profile(history: list[dict], parts: int = 3) -> list[tuple[str, lis
         if not span: continue
         sums, counts = {}, {}
         for m in span:
-            bp = m["mismatch/by_position"]
+            bp = m.get("mismatch/by_position") or {"positions": [], "logp_abs_diff_mean": [], "tokens": []}
             for pos, v, t in zip(bp["positions"], bp["logp_abs_diff_mean"], bp["tokens"]):
                 sums[pos] = sums.get(pos, 0.0) + v * t; counts[pos] = counts.get(pos, 0) + t
         positions = sorted(sums)
@@ -518,10 +687,13 @@ def position_profile(history: list[dict], parts: int = 3) -> list[tuple[str, lis
 
 CURVE_KEYS = ("accuracy", "reward", "mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "mismatch/is_ratio_min",
               "mismatch/is_ratio_max", "mismatch/ess", "mismatch/tis_clip_frac", "completions/mean_length")
+DIAGNOSTIC_KEYS = ("entropy", "grad_norm", "drift/kl_to_start", "drift/kl_to_prev_policy", "clip_ratio/low_mean",
+                   "clip_ratio/high_mean", "mismatch/clip_ratio/low_mean", "mismatch/clip_ratio/high_mean")
 
 def curves(histories: dict[tuple[str, int], list[dict]]) -> dict:
-    "The per-step curves and the |dlogp|-by-position profile of every run, small enough to commit beside the results."
-    return {f"{s}_seed{seed}": {"strategy": s, "seed": seed, **{k: [m[k] for m in h] for k in CURVE_KEYS},
+    """The per-step curves (a metric a run did not log: None at each step) and the |dlogp|-by-position profile of every
+    run, small enough to commit beside the results."""
+    return {f"{s}_seed{seed}": {"strategy": s, "seed": seed, **{k: [m.get(k) for m in h] for k in CURVE_KEYS + DIAGNOSTIC_KEYS},
                                 "by_position": [{"steps": label, "positions": pos, "logp_abs_diff_mean": val}
                                                 for label, pos, val in position_profile(h)]}
             for (s, seed), h in histories.items()}
@@ -569,6 +741,34 @@ def report_figure(run_curves: dict, rows: list[dict], strategies: tuple[str, ...
                                         "(a mismatch of exactly 0 has no line on the log axes of the top row)")
     return fig
 
+def diagnostics_figure(run_curves: dict, strategies: tuple[str, ...]):
+    """What would show why one strategy learns differently, per step (the seeds of a strategy averaged), from saved
+    curves: entropy, gradient norm, KL to the starting policy and to the previous one, and the tokens a clip cut by the
+    advantage's sign: in the loss (solid; 0 when every batch is used for one optimizer step) and with the rollout's
+    log-probs as pi_old (dotted: what the rollout/trainer mismatch alone would clip). None when no curve holds them."""
+    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go
+    panels = [("entropy", "entropy", None), ("gradient norm (before clipping)", "grad_norm", None),
+              ("KL to the starting policy", "drift/kl_to_start", None), ("KL to the previous policy", "drift/kl_to_prev_policy", None),
+              ("clipped, negative advantage (r < 1 - eps)", "clip_ratio/low_mean", "mismatch/clip_ratio/low_mean"),
+              ("clipped, positive advantage (r > 1 + eps_high)", "clip_ratio/high_mean", "mismatch/clip_ratio/high_mean")]
+    if not any(c.get(key) and any(v is not None for v in c[key]) for c in run_curves.values() for _, key, _ in panels): return None
+    fig = make_subplots(rows=2, cols=3, subplot_titles=[title for title, _, _ in panels])
+    palette = ["#1f77b4", "#2ca02c", "#9467bd", "#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    for i, s in enumerate(strategies):
+        seeds = [c for c in run_curves.values() if c["strategy"] == s and c["accuracy"]]
+        if not seeds: continue
+        steps = list(range(min(len(c["accuracy"]) for c in seeds)))
+        for p, (_, key, rollout_key) in enumerate(panels):
+            for k, dash in ((key, None), (rollout_key, "dot")):
+                if k is None or not any(c.get(k) and c[k][0] is not None for c in seeds): continue
+                fig.add_trace(go.Scatter(x=steps, y=[_mean([(c.get(k) or [None] * len(steps))[j] for c in seeds]) for j in steps],
+                                         name=s, legendgroup=s, showlegend=p == 0 and dash is None,
+                                         line=dict(color=palette[i % len(palette)], dash=dash)), p // 3 + 1, p % 3 + 1)
+    fig.update_xaxes(title_text="step")
+    fig.update_layout(height=700, title="Diagnostics per step (bottom row: solid in the loss, dotted with the rollout's log-probs as pi_old)")
+    return fig
+
 def report_note(preset: Preset, finished: list[tuple[str, int]] | None = None) -> str:
     "What table.md's numbers mean; with `finished` (the finished runs) short of the whole set, which runs are done."
     note = (f"{preset.description}. Seeds {list(preset.seeds)}. Held-out accuracy: {preset.eval_prompts} prompts never trained on, "
@@ -593,6 +793,8 @@ def write_report_html(out: Path, title: str, note: str, table: str, command: str
         (out / "report.html").write_text(f"<!doctype html><html><body>{header}<p>No figure: {e}.</p></body></html>\n")
         return False
     html = fig.to_html(include_plotlyjs=True if plotlyjs == "inline" else "cdn", full_html=True)
+    diagnostics = diagnostics_figure(run_curves, strategies)
+    if diagnostics is not None: html = html.replace("</body>", diagnostics.to_html(include_plotlyjs=False, full_html=False) + "</body>", 1)
     (out / "report.html").write_text(html.replace("<body>", "<body>" + header, 1))
     return True
 
@@ -603,6 +805,8 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None, 
     histories, rows, finished = {}, [], []
     model = str(out / "base") if preset.sft is not None else preset.train.model
     model_params = _count_params(model)
+    try: fingerprint = base_fingerprint(model)
+    except FileNotFoundError: fingerprint = None                # a hub model, not on this machine as a folder
     for seed in preset.seeds:
         for s in preset.strategies:
             folder = run_dir(out, s, seed)
@@ -612,7 +816,8 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None, 
             histories[(s, seed)] = history
             done = json.loads((folder / "done.json").read_text()) if (folder / "done.json").exists() else {}
             before = json.loads((out / "eval_base.json").read_text())["accuracy"] if (out / "eval_base.json").exists() else None
-            rows.append(run_summary(preset, s, seed, history, model_params, command, (before, done.get("eval_accuracy"))))
+            rows.append(run_summary(preset, s, seed, history, model_params, command, (before, done.get("eval_accuracy")),
+                                    fingerprint, done))
             if done: finished.append((s, seed))
     if not rows: raise RuntimeError(f"no run in {out} has a finished step yet: nothing to report")
     complete = len(finished) == len(preset.strategies) * len(preset.seeds)
@@ -666,7 +871,9 @@ RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "a
                "eval_accuracy_before", "eval_accuracy_after",
                "kl_k3_mean", "logp_abs_diff_mean", "is_ratio_min", "is_ratio_max", "ess_mean", "tis_clip_frac_mean",
                "completion_length_mean", "seconds_per_step", "clip_frac_neg_adv", "clip_frac_pos_adv", "entropy_first",
-               "entropy_last", "grad_norm_mean", "kl_to_prev_policy_mean", "preset", "complete", "command", "date", "git_sha")
+               "entropy_last", "grad_norm_mean", "kl_to_prev_policy_mean", "rollout_clip_frac_neg_adv", "rollout_clip_frac_pos_adv",
+               "grad_norm_max", "kl_to_start_last", "logp_abs_diff_by_position", "base_fingerprint", "rows_per_step", "overhead_s",
+               "eval_seconds", "preset", "complete", "command", "date", "git_sha")
 
 def _count_params(model_name: str) -> int:
     config = Path(model_name) / "config.json"
@@ -686,16 +893,18 @@ def _tgz(out: Path, leave_out: set[Path]) -> bytes:
     return buffer.getvalue()
 
 def pack(out: Path, into: Path, limit: int = PACK_BYTES, log=print) -> list[Path]:
-    """OUT as gzip'd tar parts `reproduce.tgz.partNN` of at most PART_BYTES each, `limit` in all. Over the limit,
+    """OUT as gzip'd tar parts `reproduce.tgz.partNN` of at most PART_BYTES each, `limit` in all, less OUT/base when it
+    came from `--base` (OUT/base.json names it: the next call restores it from the same parts). Over the limit,
     the folders of unfinished runs and an unfinished SFT's state are left out (they restart from step 0 next time:
     said loudly; finished runs and the finished base are always kept);
     still over, it stops and names the largest files. OUT itself is never changed."""
-    data = _tgz(out, set())
+    carried = {(out / "base").resolve()} if (out / BASE_RECORD).exists() else set()
+    data = _tgz(out, carried)
     if len(data) > limit:           # whole folders: a run's metrics without its checkpoint would refuse to resume
         unfinished = {f.resolve() for f in (out / "runs").glob("*_seed*") if f.is_dir() and not (f / "done.json").exists()}
         sft_state = {p.resolve() for p in [out / "base" / "sft_state.pt"] if p.exists()}
         if unfinished or sft_state:
-            data = _tgz(out, unfinished | sft_state)
+            data = _tgz(out, carried | unfinished | sft_state)
             log(f"pack: {out} is over {limit / MiB:.0f} MiB with its checkpoints; left out "
                 + "; ".join([f"the unfinished runs {sorted(p.name for p in unfinished)} (after --unpack they restart from step 0)"] * bool(unfinished)
                             + ["the unfinished SFT's state (after --unpack it restarts from step 0)"] * bool(sft_state)))
@@ -704,21 +913,29 @@ def pack(out: Path, into: Path, limit: int = PACK_BYTES, log=print) -> list[Path
         biggest = ", ".join(f"{p.relative_to(out)} ({p.stat().st_size / MiB:.1f} MiB)" for p in files)
         raise RuntimeError(f"{out} packs to {len(data) / MiB:.1f} MiB, over the {limit / MiB:.0f} MiB a device call brings "
                            f"back; largest files: {biggest}. Nothing was deleted.")
+    return write_parts(data, into, "reproduce.tgz")
+
+def write_parts(data: bytes, into: Path, stem: str) -> list[Path]:
+    "`data` as files `into/<stem>.partNN` of at most PART_BYTES each (older parts of that stem removed first)."
     into.mkdir(parents=True, exist_ok=True)
-    for old in into.glob("reproduce.tgz.part*"): old.unlink()
+    for old in into.glob(f"{stem}.part*"): old.unlink()
     parts = []
     for i in range(0, len(data), PART_BYTES):
-        parts.append(into / f"reproduce.tgz.part{i // PART_BYTES:02d}"); parts[-1].write_bytes(data[i:i + PART_BYTES])
+        parts.append(into / f"{stem}.part{i // PART_BYTES:02d}"); parts[-1].write_bytes(data[i:i + PART_BYTES])
     return parts
 
-def unpack(source: Path, out: Path) -> int:
-    "Restore OUT from the parts `pack` wrote; returns the number of bytes read. Files already in OUT are replaced."
-    parts = sorted(source.glob("reproduce.tgz.part*"))
-    if not parts: raise FileNotFoundError(f"no reproduce.tgz.partNN files in {source}: give the folder --pack wrote")
+def extract_parts(source: Path, stem: str, out: Path, wrote_them: str) -> int:
+    "Extract the gzip'd tar split into `source/<stem>.partNN` into `out`; the number of bytes read."
+    parts = sorted(source.glob(f"{stem}.part*"))
+    if not parts: raise FileNotFoundError(f"no {stem}.partNN files in {source}: give the folder {wrote_them} wrote")
     data = b"".join(p.read_bytes() for p in parts)
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar: tar.extractall(out, filter="data")
     return len(data)
+
+def unpack(source: Path, out: Path) -> int:
+    "Restore OUT from the parts `pack` wrote; returns the number of bytes read. Files already in OUT are replaced."
+    return extract_parts(source, "reproduce.tgz", out, "--pack")
 
 
 # ---------------------------------------------------------------- the plan: sizes and a time estimate
@@ -766,6 +983,10 @@ GPU_SLOPE_ROWS = 16 * 8        # the batch of the runs whose lengths varied: the
 DEVICE_CALL_S = 540            # what one device call may take, start-up included (the tool allows 600)
 TARGET_CALL_S = 420            # what the gpu preset is sized for: the lead's device budget per call
 STARTUP_RESERVE_S = 30         # python + torch + CUDA start-up before the time budget starts: a reserve, not a measurement
+RESTORE_RESERVE_S = 10         # --unpack, the base restored from its parts and fingerprinted: a reserve, not a measurement
+REPORT_RESERVE_S = 15          # the report and --pack after the time budget: a reserve, not a measurement
+PARITY_TIME_BUDGET_S = DEVICE_CALL_S - STARTUP_RESERVE_S - REPORT_RESERVE_S - 25   # --time-budget of a --base call (25 s spare)
+GZIP_BF16 = 0.8                # gzip'd size of bf16 weights over their raw size (0.79 measured on normal weights, level 6)
 
 def step_time_model(rows: list[dict]) -> tuple[dict[str, float], float]:
     """seconds/step = a[strategy] + b x mean completion tokens, least squares with one intercept per strategy and one
@@ -794,16 +1015,37 @@ def measured_call_seconds(log_file: Path, summary_rows: list[dict], sft_s: float
     return {"eval_s": (elapsed - sft_s - sum(r[3] for r in runs)) / evals, "run_overhead_s": _mean(overhead),
             "elapsed_s": elapsed, "evals": evals, "runs": len(runs)}
 
+def _sft_tokenizer(spec: SFTSpec):
+    from jetrl.tiny import build_tokenizer
+    return build_tokenizer([t for row in sft_rows(spec, 2000) for t in (row["prompt"], worked_solution(row))])
+
 def worked_tokens(preset: Preset) -> float:
     "Mean tokens of the worked solution (plus EOS) of the preset's GRPO prompts, with the tokenizer its SFT builds."
-    from jetrl.tiny import build_tokenizer
-    tokenizer = build_tokenizer([t for row in sft_rows(preset.sft, 2000) for t in (row["prompt"], worked_solution(row))])
+    tokenizer = _sft_tokenizer(preset.sft)
     rows = eval_rows(replace(preset, eval_prompts=64))
     return _mean([len(tokenizer(worked_solution(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows])
 
+def sft_step_cost(spec: SFTSpec, batches: int = 4) -> float:
+    """An SFT step's training FLOPs, relative: rows x padded length T x (6 x parameters + 12 x layers x hidden x T), the
+    last term attention over the whole padded T (an explicit mask); T the longest prompt + worked solution of a batch."""
+    tokenizer, lengths = _sft_tokenizer(spec), []
+    for b in range(batches):
+        rows = sft_rows(spec, spec.batch_size, offset=b * spec.batch_size)
+        lengths.append(max(len(tokenizer(r["prompt"] + worked_solution(r))["input_ids"]) + 1 for r in rows))
+    T = _mean(lengths)
+    return spec.batch_size * T * (6 * _param_count(spec) + 12 * spec.layers * spec.hidden_size * T)
+
+def measured_batch(row: dict) -> int:
+    "The rows per GRPO step a results row was measured at (rows written before that field: its preset's)."
+    if row.get("rows_per_step"): return row["rows_per_step"]
+    if row.get("preset") in PRESETS: return PRESETS[row["preset"]].train.rows_per_step
+    raise ValueError(f"a measured row ({row.get('strategy')} seed {row.get('seed')}) says neither its rows_per_step nor a "
+                     "known preset: give --measured a results file that scripts/reproduce.py wrote")
+
 def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None,
                       summaries: tuple[tuple[Path, int], ...] = GPU_MEASURED_SUMMARIES,
-                      log_file: Path = GPU_MEASURED_LOG, sft_file: Path = GPU_MEASURED_SFT) -> dict:
+                      log_file: Path = GPU_MEASURED_LOG, sft_file: Path = GPU_MEASURED_SFT,
+                      measured_rows: list[dict] | None = None) -> dict:
     """Seconds `preset` takes on one H200 (SFT, the base eval, every run and its eval), from the measurements above.
     Per-step time: from the largest measured batch not above the preset's rows per step (else the smallest), each
     strategy's mean s/step there moved along the length to `completion_tokens` (default: the worked solution's length,
@@ -812,11 +1054,18 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None,
     upper bound; never scaled down). Strategies never measured at that batch take its slowest. Each run's fixed
     seconds and the evals' from `measured_call_seconds`, the SFT time scaled by steps x rows, plus STARTUP_RESERVE_S.
     Also how many calls of TARGET_CALL_S it takes with whole runs per call, and the most GRPO steps per run for
-    which everything fits in one call."""
+    which everything fits in one call. The SFT's time scales by `sft_step_cost` (its rows, padded length and attention);
+    an eval's by the completion tokens. `measured_rows` (the rows of an earlier results file, `--measured`) replace the
+    per-step, eval and per-run seconds where they hold them; the per-token slope stays the committed one."""
     measured = [(json.loads(line), batch) for summary, batch in summaries for line in summary.read_text().splitlines()]
+    eval_tokens = _mean([r["completion_length_mean"] for r, b in measured if b == summaries[-1][1]])   # the log's evals' length
     _, slope = step_time_model([r | {"strategy": f"{r['strategy']}@{batch}"} for r, batch in measured])  # one intercept per batch
     batches = sorted({batch for _, batch in measured})
     batch = max([b for b in batches if b <= preset.train.rows_per_step], default=batches[0])
+    if measured_rows:                                     # --measured: that file's batch and step times
+        measured = [(r, measured_batch(r)) for r in measured_rows]
+        batches = sorted({b for _, b in measured})
+        batch = max([b for b in batches if b <= preset.train.rows_per_step], default=batches[0])
     at_batch = {}
     for r, b in measured:
         if b == batch: at_batch.setdefault(r["strategy"], []).append(r)
@@ -825,10 +1074,21 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None,
     sft_measured_s = sft["seconds_this_call"]
     sft_s = 0.0
     if preset.sft is not None:
-        sft_s = sft_measured_s * preset.sft.steps * preset.sft.batch_size / (sft["steps"] * sft["batch_size"])
-    log_summary = [r for r, b in measured if b == summaries[-1][1]]        # the log's call ran the last summary's setting
+        measured_spec = SFTSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in sft.items() if k in SFTSpec.__dataclass_fields__})
+        sft_s = sft_measured_s * preset.sft.steps / sft["steps"] * (1.0 if preset.sft == measured_spec else
+                                                                     sft_step_cost(preset.sft) / sft_step_cost(measured_spec))
+    log_summary = [r for r, b in (measured if not measured_rows else
+                                  [(json.loads(line), batch) for summary, batch in summaries for line in summary.read_text().splitlines()])
+                   if b == summaries[-1][1]]                              # the log's call ran the last summary's setting
     call = measured_call_seconds(log_file, log_summary, sft_measured_s)
+    source_files = [*(f for f, _ in summaries), log_file, sft_file]
+    if measured_rows:
+        evals = [(r["eval_seconds"], r["completion_length_mean"]) for r in measured_rows if r.get("eval_seconds") is not None]
+        if evals: call["eval_s"], eval_tokens = _mean([e for e, _ in evals]), _mean([t for _, t in evals])
+        overheads = [r["overhead_s"] for r in measured_rows if r.get("overhead_s") is not None]
+        if overheads: call["run_overhead_s"] = _mean(overheads)
     tokens = completion_tokens if completion_tokens is not None else worked_tokens(preset)
+    call["eval_s"] *= tokens / eval_tokens                 # decode steps: as many as the completions' tokens
     rows_factor = max(preset.train.rows_per_step / batch, 1.0)
     slowest = max(step_at, key=lambda s: step_at[s][0])
     def seconds_per_step(strategy):                      # at the preset's length and rows per step
@@ -856,10 +1116,56 @@ def gpu_call_estimate(preset: Preset, completion_tokens: float | None = None,
             "run_s": {s: round(v, 1) for s, v in run_s.items()}, "calls": calls,
             "max_steps_in_one_call": int((DEVICE_CALL_S - fixed) // all_runs_per_step),
             "max_steps_in_target": int((TARGET_CALL_S - fixed) // all_runs_per_step),
-            "time_budget_s": TARGET_CALL_S - STARTUP_RESERVE_S,
-            "source": ", ".join(str(p.relative_to(REPO)) for p in (*(f for f, _ in summaries), log_file, sft_file))}
+            "time_budget_s": TARGET_CALL_S - STARTUP_RESERVE_S, "measured_rows_given": bool(measured_rows),
+            "source": ", ".join(str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p) for p in source_files)}
 
-def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict:
+def base_calls(est: dict) -> list[dict]:
+    """The device calls that build the base twice in two processes (`--base-only`, each with its held-out eval and its
+    parts; the second with `--expect-fingerprint` of the first): one call when both fit DEVICE_CALL_S one after the
+    other, else one call each (the second then also checks the SFT across machines)."""
+    build = STARTUP_RESERVE_S + est["sft_s"] + est["eval_s_each"] + REPORT_RESERVE_S
+    if 2 * build - STARTUP_RESERVE_S <= DEVICE_CALL_S:
+        return [{"what": "the base, built twice in two processes (--base-only, then --expect-fingerprint)",
+                 "seconds": round(2 * build - STARTUP_RESERVE_S, 1)}]
+    return [{"what": "the base (--base-only)", "seconds": round(build, 1)},
+            {"what": "the base again, on a fresh machine (--base-only --expect-fingerprint)", "seconds": round(build, 1)}]
+
+def parity_calls(preset: Preset, est: dict, budget_s: float = PARITY_TIME_BUDGET_S) -> list[dict]:
+    """The device calls after the base's (`--base DIR --time-budget budget_s`, the same command each time): whole runs
+    in run_all's order (seed by seed), as many as the budget holds (the base's held-out accuracy comes with its
+    base.json), each call with its start-up, restore and report reserves. A run longer than the budget is an error:
+    its state cannot be carried unfinished."""
+    calls, runs, room = [], [], budget_s - RESTORE_RESERVE_S
+    for seed in preset.seeds:
+        for s in preset.strategies:
+            seconds = est["run_s"][s]
+            if seconds > budget_s - RESTORE_RESERVE_S:
+                raise ValueError(f"a {s} run of {preset.name} takes about {seconds:.0f} s, over the {budget_s - RESTORE_RESERVE_S:.0f} s "
+                                 "one device call holds, and an unfinished run cannot be carried: give it fewer --steps or rows")
+            if seconds > room:
+                calls.append(runs); runs, room = [], budget_s - RESTORE_RESERVE_S
+            runs.append((s, seed, seconds)); room -= seconds
+    calls.append(runs)
+    return [{"runs": [f"{s} seed {seed}" for s, seed, _ in c],
+             "seconds": round(STARTUP_RESERVE_S + RESTORE_RESERVE_S + sum(x for _, _, x in c) + REPORT_RESERVE_S, 1)} for c in calls]
+
+def carried_sizes(preset: Preset, tokens: float) -> dict:
+    """MiB a device call carries: the working tree (git's tracked files), the base's parts (bf16 weights gzip'd by
+    GZIP_BF16) and OUT's parts at the end (the finished runs' metrics: ~3 KB a step, and each recorded sample's tokens
+    at ~50 bytes each, gzip'd to ~0.4), against the 64 MiB a call takes and the 16 MiB a returned file may be."""
+    import subprocess
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
+        tree = sum((REPO / f.decode()).stat().st_size for f in listed if f and (REPO / f.decode()).is_file()) / MiB
+    except (OSError, subprocess.CalledProcessError): tree = math.nan
+    base = 2 * _param_count(preset.sft) * GZIP_BF16 / MiB if preset.sft is not None else 0.0
+    per_run = preset.train.steps * (3e3 + 50 * tokens * preset.train.record_samples) * 0.4 / MiB
+    out = per_run * len(preset.seeds) * len(preset.strategies)
+    return {"tree_MiB": round(tree, 1), "base_parts_MiB": round(base, 1), "out_parts_MiB_at_end": round(out, 1),
+            "per_run_MiB": round(per_run, 2), "total_MiB": round(tree + base + out, 1), "limit_MiB": 64}
+
+def plan(preset: Preset, device: str, measure_steps: int = 0, log=print, measured: Path | None = None,
+         base: Path | None = None) -> dict:
     """What a run of `preset` will carry and cost.
 
     Sizes: the base policy and a run checkpoint in bf16 against the 64 MiB a device call brings back. One H200 device
@@ -872,6 +1178,12 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
     well) and by decode steps x layers (an upper bound when decode is launch-bound)."""
     import tempfile
     info = {"preset": preset.name, "device": device}
+    measured_rows = None
+    if measured is not None:
+        if not measured.is_file(): raise FileNotFoundError(f"no results file {measured}: give --measured a JSONL that scripts/reproduce.py wrote")
+        measured_rows = [json.loads(line) for line in measured.read_text().splitlines() if line.strip()]
+        measured_rows = [r for r in measured_rows if r.get("seconds_per_step") and not r.get("summary")]
+        if not measured_rows: raise ValueError(f"{measured} holds no run with seconds_per_step: give a results file of finished runs")
     if preset.sft is not None:
         params = _param_count(preset.sft)
         info |= {"model_params": params, "base_bf16_MiB": round(2 * params / MiB, 1),
@@ -879,7 +1191,8 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
         log(f"model: {params / 1e6:.1f}M parameters; the base policy {2 * params / MiB:.0f} MiB in bf16; a run's checkpoint "
             f"(weights + AdamW moments) {6 * params / MiB:.0f} MiB. A call that packs must end at a run boundary when "
             f"that does not fit beside the base in {PACK_BYTES / MiB:.0f} MiB (--pack leaves an unfinished run's folder out).")
-        call = info["h200_call"] = gpu_call_estimate(preset)
+        call = info["h200_call"] = gpu_call_estimate(preset, measured_rows=measured_rows)
+        if measured is not None: call["source"] = f"{measured} (per-step, eval and run seconds), {call['source']}"
         scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {call['measured_rows']}: every "
                   "part of the step scaled linearly, an upper bound") if call["rows_factor"] > 1 else ""
         log(f"on one H200: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
@@ -887,9 +1200,25 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print) -> dict
             f"{len(preset.seeds) * len(preset.strategies)} runs x ({call['run_overhead_s_each']} s + {preset.train.steps} steps), "
             f"GRPO s/step {call['seconds_per_step']} at {call['completion_tokens']:.0f} completion tokens{scaled}; "
             f"{call['startup_reserve_s']} s start-up reserve per call); {call['calls']} call(s) of {call['target_call_s']} s "
-            f"that end at run boundaries (a run: {call['run_s']} s with its eval); all runs' steps fit one call up to "
-            f"{call['max_steps_in_target']} steps per run ({call['max_steps_in_one_call']} in {call['device_call_s']} s); "
-            f"measured from {call['source']}")
+            f"that end at run boundaries (a run: {call['run_s']} s with its eval); "
+            + (f"all runs' steps fit one call up to {call['max_steps_in_target']} steps per run ({call['max_steps_in_one_call']} in "
+               f"{call['device_call_s']} s); " if call["max_steps_in_one_call"] > 0 else "the runs cannot all share one call; ")
+            + f"measured from {call['source']}")
+        sizes = info["carried"] = carried_sizes(preset, call["completion_tokens"])
+        first = base_calls(call)
+        if base is not None and (base / BASE_RECORD).is_file(): first = []         # built: its base.json is there
+        runs = parity_calls(preset, call)
+        info["device_calls"] = first + runs
+        info["device_s"] = round(sum(c["seconds"] for c in info["device_calls"]), 1)
+        log(f"with a carried base (--base DIR): {len(first)} call(s) for the base, then {len(runs)} run call(s) of --time-budget "
+            f"{PARITY_TIME_BUDGET_S} s; {info['device_s'] / 60:.0f} min of device time in all, each call's start on the machine not counted. "
+            f"Each call carries the tree ({sizes['tree_MiB']} MiB), the base's parts ({sizes['base_parts_MiB']} MiB) and OUT's "
+            f"(up to {sizes['out_parts_MiB_at_end']} MiB): {sizes['total_MiB']} of {sizes['limit_MiB']} MiB")
+        for i, c in enumerate(info["device_calls"], 1):
+            log(f"  call {i}: ~{c['seconds']:.0f} s: {c.get('what') or ', '.join(c['runs'])}")
+        if sizes["total_MiB"] > sizes["limit_MiB"]:
+            log(f"warning: {sizes['total_MiB']} MiB is over the {sizes['limit_MiB']} MiB a device call carries: record fewer samples "
+                "(record_samples) or split the seeds over two OUT folders")
     if not measure_steps: return info
     with tempfile.TemporaryDirectory() as tmp:
         small_train = replace(preset.train, steps=measure_steps, prompts_per_step=4, grpo=replace(preset.train.grpo, num_generations=4),
@@ -948,7 +1277,17 @@ def parse_args(argv=None):
                                                   "for the workshop and gpu presets, none for smoke)")
     p.add_argument("--unpack", type=Path, help="restore OUT from the parts of an earlier --pack first")
     p.add_argument("--pack", type=Path, help="at the end, write OUT as <= 15 MiB parts into this folder")
-    p.add_argument("--plan", action="store_true", help="print state sizes and the one-call H200 time estimate, run nothing else")
+    p.add_argument("--base", type=Path, metavar="DIR",
+                   help="the base saved in DIR by --base-only (base.tgz.partNN, base.json): restored into OUT/base, fingerprint checked")
+    p.add_argument("--base-only", action="store_true", help="with --base DIR: train the preset's base into OUT/base, save it into DIR, run nothing else")
+    p.add_argument("--expect-fingerprint", metavar="HEX",
+                   help="with --base-only: fail unless the base built here has this fingerprint (a second build's check)")
+    p.add_argument("--nondeterministic-sft", action="store_true",
+                   help="train the base without torch's deterministic algorithms (where an op has none; the fingerprint then "
+                        "differs between builds)")
+    p.add_argument("--plan", action="store_true", help="print state sizes, the device calls and their times, run nothing else")
+    p.add_argument("--measured", type=Path, metavar="RESULTS_JSONL",
+                   help="with --plan: per-step, eval and run seconds from the rows of an earlier results file (default: the committed measurements)")
     p.add_argument("--measure", type=int, default=0, help="with --plan: also time this many GRPO steps per strategy here, small")
     p.add_argument("--report-from", type=Path, metavar="RESULTS_JSONL",
                    help="run nothing: draw OUT/report.html and OUT/table.md from a saved results file and its _curves.json")
@@ -956,6 +1295,8 @@ def parse_args(argv=None):
                    help="with --report-from: plotly.js inside report.html (self-contained, ~4.8 MB) or from its CDN (small)")
     args = p.parse_args(argv)
     if args.out is None and not args.plan: p.error("--out is required (a folder for the runs and the report)")
+    if args.base_only and args.base is None: p.error("--base-only needs --base DIR, the folder its parts and base.json go to")
+    if args.measured is not None and not args.plan: p.error("--measured goes with --plan (it changes the estimate, nothing else)")
     return args
 
 def preset_from_args(args) -> Preset:
@@ -967,6 +1308,8 @@ def preset_from_args(args) -> Preset:
         preset = replace(preset, strategies=strategies)
     if args.seeds: preset = replace(preset, seeds=tuple(int(s) for s in args.seeds.split(",")))
     if args.steps: preset = replace(preset, train=replace(preset.train, steps=args.steps))
+    if getattr(args, "nondeterministic_sft", False) and preset.sft is not None:
+        preset = replace(preset, sft=replace(preset.sft, deterministic=False))
     return preset
 
 def main(argv=None) -> int:
@@ -978,13 +1321,24 @@ def main(argv=None) -> int:
     try:
         preset = preset_from_args(args)
         if args.plan:
-            print(json.dumps(plan(preset, args.device, args.measure), indent=1)); return 0
+            print(json.dumps(plan(preset, args.device, args.measure, measured=args.measured, base=args.base), indent=1)); return 0
         if args.report_from:
             print(report_from_results(args.report_from, args.out, plotlyjs=args.plotlyjs)); print(f"report: {args.out / 'report.html'}"); return 0
+        if args.base_only:
+            record = build_base(preset, args.out, args.device, deadline, args.base, command)
+            if args.expect_fingerprint and record["base_fingerprint"] != args.expect_fingerprint:
+                raise RuntimeError(f"the base built here has fingerprint {record['base_fingerprint']}, not {args.expect_fingerprint}: "
+                                   "the SFT is not reproducible between these builds; share one build's parts, never rebuild it")
+            return 0
         if args.unpack: print(f"unpacked {unpack(args.unpack, args.out) / MiB:.1f} MiB into {args.out}")
-        done = run_all(preset, args.out, args.device, deadline)
+        prior = None
+        if preset.sft is not None and args.device.startswith("cuda") and math.isfinite(deadline):
+            try: prior = gpu_call_estimate(preset)["run_s"]                  # the first run of a call, before any finished
+            except (OSError, ValueError, KeyError) as e: print(f"reproduce: no run-time estimate ({e}); the first run starts regardless")
+        done = run_all(preset, args.out, args.device, deadline, base=args.base, prior_run_s=prior,
+                       budget_s=args.time_budget if args.time_budget > 0 else math.inf)
         device = "gpu" if args.device.startswith("cuda") else "cpu"
-        results = args.results or (None if preset.name == "smoke" else REPO / "benchmarks" / "results" / f"reproduce_{device}.jsonl")
+        results = args.results or (None if preset.name.startswith("smoke") else REPO / "benchmarks" / "results" / f"reproduce_{device}.jsonl")
         table = None
         if any((run_dir(args.out, s, seed) / "metrics.jsonl").exists() for s in preset.strategies for seed in preset.seeds):
             table, _ = write_report(preset, args.out, command, results)

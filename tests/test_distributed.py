@@ -15,7 +15,7 @@ from jetrl.train import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["--model", "jetrl-tiny", "--strategy", "jet", "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
-       "--max-new-tokens", "8"]
+       "--max-new-tokens", "8", "--log-kl-to-start"]
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -60,8 +60,10 @@ def test_two_ranks_match_one_process(two_rank_run, one_process_run):
     # step 0: the same sampled tokens (per-row streams), so the same rewards, exactly
     assert [s["tokens"] for s in one0["samples"]] == [s["tokens"] for s in two0["samples"]]
     for key in ["reward", "reward_std", "accuracy", "rewards/format_reward", "rewards/number_reward", "frac_reward_zero_std",
-                "completions/mean_length", "completions/max_length", "completions/truncated_frac", "loss/tokens"]:
+                "completions/mean_length", "completions/max_length", "completions/truncated_frac", "loss/tokens",
+                "mismatch/clip_ratio/low_mean", "mismatch/clip_ratio/high_mean", "drift/kl_to_start"]:
         assert one0[key] == two0[key], key
+    assert one0["drift/kl_to_start"] == 0.0 and one1["drift/kl_to_start"] > 0             # the start itself, then a step away
     # computed before the update from the same tokens: equal up to summation order (rows padded per rank)
     for key in ["loss", "entropy", "clip_ratio/region_mean", "mismatch/is_ratio_mean"]:
         assert _close(one0[key], two0[key], rel=1e-5, abs_=1e-7), (key, one0[key], two0[key])
@@ -71,6 +73,7 @@ def test_two_ranks_match_one_process(two_rank_run, one_process_run):
     # (measured 1.2e-4 relative on the norm), and Adam's first step, ~lr * sign(g), spreads that to the drift (3.6e-2)
     assert _close(one0["grad_norm"], two0["grad_norm"], rel=1e-3), (one0["grad_norm"], two0["grad_norm"])
     assert _close(one0["drift/kl_to_prev_policy"], two0["drift/kl_to_prev_policy"], rel=0.1)
+    assert _close(one1["drift/kl_to_start"], two1["drift/kl_to_start"], rel=0.1)     # the same spread, over every rank's tokens
     assert _close(one1["reward"], two1["reward"], abs_=0.2) and two1["dist/world_size"] == 2
 
 

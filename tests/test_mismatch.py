@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from jetrl.mismatch import (MAX_ABS_LOG_RATIO, MISMATCH_KEYS, check_logps, kl_to_prev_policy, mismatch_by_position,
-                            mismatch_metrics, ratio_stats)
+from jetrl.mismatch import (MAX_ABS_LOG_RATIO, MISMATCH_KEYS, check_logps, clip_by_advantage_sign, kl_to_prev_policy,
+                            mismatch_by_position, mismatch_metrics, ratio_stats)
 
 L = math.log(2)
 
@@ -210,6 +210,28 @@ def test_ratio_stats_hand_computed():
     got = ratio_stats(train, rollout, mask, epsilon=0.6, epsilon_high=1.5, prefix="train/")
     assert got == pytest.approx({"train/ratio_mean": 1.375, "train/ratio_min": 0.5, "train/ratio_max": 2.0,
                                  "train/clip_frac_low": 0.0, "train/clip_frac_high": 0.0, "train/clip_frac": 0.0})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clip_by_advantage_sign_matches_a_token_by_token_count(seed):
+    "Against a loop over the tokens: a cut is A < 0 with r < 1 - eps, or A > 0 with r > 1 + eps_high, over all real tokens."
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 9
+    new, old = -torch.rand(B, T, generator=g) * 3, -torch.rand(B, T, generator=g) * 3
+    mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    adv = torch.randn(B, generator=g); adv[0] = 0.0                      # a group with equal rewards: advantage 0
+    eps, eps_high = 0.2, 0.28
+    low = high = n = 0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]: continue
+            n += 1; r, a = math.exp(float(new[b, t] - old[b, t])), float(adv[b])
+            low += a < 0 and r < 1 - eps; high += a > 0 and r > 1 + eps_high
+    got = clip_by_advantage_sign(new, old, adv, mask, epsilon=eps, epsilon_high=eps_high)
+    assert got == pytest.approx({"clip_ratio/low_mean": low / n, "clip_ratio/high_mean": high / n}, abs=1e-12)
+    assert low > 0 and high > 0                                          # the batch exercises both cuts
+    assert clip_by_advantage_sign(new, new, adv, mask) == {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0}
+    assert all(math.isnan(v) for v in clip_by_advantage_sign(new, old, adv, torch.zeros_like(mask)).values())
 
 
 # --- bad inputs ---------------------------------------------------------------------------------------------------

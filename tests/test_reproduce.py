@@ -1,5 +1,5 @@
 "Tests of scripts/reproduce.py: the FP4 rungs of the dose-response, the worked solutions, the report rules, pack / unpack, resume."
-import json, math, re, sys
+import io, json, math, re, sys
 from pathlib import Path
 
 import pytest
@@ -100,8 +100,9 @@ def test_gpu_preset_runs_whole_within_device_calls_even_at_full_length():
     """4 strategies x 2 seeds at >= 512 tokens: per-step times from the batch measured at the preset's 1024 rows (the
     session-6 reproduction), scaled linearly above it (an upper bound); each call holds whole runs (the first also the
     SFT and the base's eval), even at max_new_tokens; the estimate is within 10% of what that reproduction took."""
-    preset = R.PRESETS["gpu"]
-    assert len(preset.strategies) == 4 and len(preset.seeds) == 2 and preset.train.max_new_tokens >= 512
+    assert len(R.PRESETS["gpu"].seeds) == 5 and set(R.PRESETS["gpu"].strategies) == {"bf16", "jet", "fp8-rollout", "fp8-rollout-tis"}
+    preset = R.replace(R.PRESETS["gpu"], seeds=(0, 1))                 # the measured reproduction's two seeds
+    assert preset.train.max_new_tokens >= 512
     rows = preset.train.rows_per_step
     small = R.gpu_call_estimate(R.replace(preset, train=R.replace(preset.train, prompts_per_step=16)), completion_tokens=500)
     typical = R.gpu_call_estimate(preset, completion_tokens=500)
@@ -282,3 +283,177 @@ def test_a_run_stopped_by_the_time_budget_resumes_to_the_same_metrics(tmp_path, 
     cut = R.read_metrics(run)[1]
     keys = ("accuracy", "reward", "mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "loss")
     assert [[m[k] for k in keys] for m in whole] == [[m[k] for k in keys] for m in cut]
+
+
+# ---------------------------------------------------------------- the carried base
+SMOKE_SFT = R.PRESETS["smoke-sft"]
+REPRODUCE = str(Path(R.__file__))
+
+
+@pytest.fixture(scope="module")
+def saved_base(tmp_path_factory) -> Path:
+    "The smoke-sft preset's base, built here (deterministic SFT) and saved as parts with its base.json."
+    folder = tmp_path_factory.mktemp("base")
+    R.build_base(SMOKE_SFT, folder / "scratch", "cpu", math.inf, folder / "saved", "cmd", log=lambda *_: None)
+    return folder / "saved"
+
+
+def test_the_deterministic_sft_gives_one_fingerprint_in_another_process(saved_base, tmp_path):
+    """The base of a second process, built from scratch, has the same bits (fingerprint) as this process's; a wrong
+    --expect-fingerprint is one error line; the fingerprint is of the weights, so any weight changed changes it."""
+    import subprocess
+    record = json.loads((saved_base / "base.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{16}", record["base_fingerprint"]) and record["sft"]["deterministic"] is True
+    env = {"PYTHONPATH": str(Path(R.__file__).parents[1]), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, REPRODUCE, "--preset", "smoke-sft", "--device", "cpu", "--base-only", "--base",
+                           str(tmp_path / "again"), "--out", str(tmp_path / "scratch"), "--expect-fingerprint", "0" * 16],
+                          capture_output=True, text=True, env=env, timeout=300)
+    again = json.loads((tmp_path / "again" / "base.json").read_text())["base_fingerprint"]
+    assert again == record["base_fingerprint"]                                   # another process: the same bits
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and f"fingerprint {again}, not {'0' * 16}" in done.stderr
+    from safetensors.torch import load_file, save_file
+    weights = load_file(tmp_path / "scratch" / "base" / "model.safetensors")
+    name = sorted(weights)[0]; weights[name][0] += 1e-3
+    save_file(weights, tmp_path / "scratch" / "base" / "model.safetensors", metadata={"format": "pt"})
+    assert R.base_fingerprint(str(tmp_path / "scratch" / "base")) != again
+
+
+def test_a_carried_base_is_restored_checked_and_named_in_every_row(saved_base, tmp_path, capsys):
+    """--base restores OUT/base from the parts (fingerprint checked), every results row names it, --pack leaves the base out
+    (the next call restores it), and an OUT whose runs started from another base is refused in one line."""
+    record = json.loads((saved_base / "base.json").read_text())
+    out, results = tmp_path / "out", tmp_path / "results.jsonl"
+    args = ["--preset", "smoke-sft", "--device", "cpu", "--seeds", "0", "--steps", "1", "--base", str(saved_base),
+            "--out", str(out), "--results", str(results), "--pack", str(tmp_path / "packed")]
+    assert R.main(args) == 0
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["strategy"] for r in rows] == ["bf16", "jet"] and {r["base_fingerprint"] for r in rows} == {record["base_fingerprint"]}
+    assert json.loads((out / "eval_base.json").read_text()) == record["eval_base"]        # the base's eval comes with it
+    import tarfile
+    packed = b"".join(p.read_bytes() for p in sorted((tmp_path / "packed").glob("reproduce.tgz.part*")))
+    names = tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz").getnames()
+    assert "./base.json" in names and not any(n.startswith("./base/") for n in names)
+    assert R.main(["--preset", "smoke-sft", "--device", "cpu", "--seeds", "0", "--steps", "1", "--base", str(saved_base),
+                   "--out", str(tmp_path / "next"), "--unpack", str(tmp_path / "packed")]) == 0     # a next call: restored again
+    other = R.replace(SMOKE_SFT, sft=R.replace(SMOKE_SFT.sft, seed=1))
+    R.build_base(other, tmp_path / "scratch", "cpu", math.inf, tmp_path / "other", "cmd", log=lambda *_: None)
+    capsys.readouterr()
+    assert R.main([*args[:-2], "--base", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"holds runs of base {record['base_fingerprint']}" in err and "another --out" in err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "base.json").write_text(json.dumps(record | {"base_fingerprint": "f" * 16}))
+    for part in saved_base.glob("base.tgz.part*"): (tmp_path / "bad" / part.name).write_bytes(part.read_bytes())
+    with pytest.raises(ValueError, match="not ffff"):
+        R.use_base(tmp_path / "bad", tmp_path / "fresh", log=lambda *_: None)              # parts that are not the named base
+    with pytest.raises(ValueError, match="built for the smoke-sft preset, not gpu"):
+        R.run_all(R.PRESETS["gpu"], tmp_path / "g", "cpu", math.inf, base=saved_base, log=lambda *_: None)
+    with pytest.raises(ValueError, match="--base is for the presets that train their base"):
+        R.run_all(R.PRESETS["smoke"], tmp_path / "s", "cpu", math.inf, base=saved_base)
+    with pytest.raises(SystemExit):
+        R.main(["--preset", "smoke-sft", "--base-only", "--out", str(tmp_path / "x")])          # --base-only needs --base DIR
+    assert "--base-only needs --base DIR" in capsys.readouterr().err
+
+
+def test_results_rows_carry_the_diagnostics_and_the_report_draws_them(tmp_path):
+    "Each row: clipping by advantage sign (loss and rollout side), entropy, gradient norm, KL to the start, |dlogp| by position."
+    preset = R.replace(R.PRESETS["smoke"], eval_prompts=4)
+    assert R.run_all(preset, tmp_path / "out", "cpu", math.inf, log=lambda *_: None)
+    _, rows = R.write_report(preset, tmp_path / "out", "cmd", tmp_path / "results.jsonl")
+    from jetrl.tiny import TINY_DIR
+    for r in rows:
+        assert r["base_fingerprint"] == R.base_fingerprint("jetrl-tiny") == R.base_fingerprint(str(TINY_DIR))
+        for key in ("clip_frac_neg_adv", "clip_frac_pos_adv", "rollout_clip_frac_neg_adv", "rollout_clip_frac_pos_adv",
+                    "entropy_last", "grad_norm_mean", "grad_norm_max", "kl_to_start_last"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), key
+        profile = r["logp_abs_diff_by_position"]
+        assert profile["positions"][0] == 0 and len(profile["positions"]) == len(profile["logp_abs_diff_mean"]) >= 1
+        assert r["eval_seconds"] > 0 and r["overhead_s"] >= 0 and r["rows_per_step"] == 8
+    fp8 = next(r for r in rows if r["strategy"] == "fp8-rollout")
+    assert max(fp8["logp_abs_diff_by_position"]["logp_abs_diff_mean"]) > 1e-5              # the FP8 rollout's gap, by position
+    saved = json.loads((tmp_path / "results_curves.json").read_text())
+    assert all(len(c["drift/kl_to_start"]) == preset.train.steps and c["drift/kl_to_start"][0] == 0.0 for c in saved.values())
+    fig = R.diagnostics_figure(saved, preset.strategies)
+    assert len(fig.layout.annotations) == 6 and {t.name for t in fig.data} == set(preset.strategies)
+    assert R.diagnostics_figure({k: {kk: v for kk, v in c.items() if kk not in R.DIAGNOSTIC_KEYS} for k, c in saved.items()},
+                                preset.strategies) is None                                 # curves saved before them: no figure
+
+
+def test_deterministic_algorithms_is_on_inside_restored_after_and_names_a_missing_kernel():
+    assert not torch.are_deterministic_algorithms_enabled()
+    with R.deterministic_algorithms():
+        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cuda.matmul.allow_tf32
+    assert not torch.are_deterministic_algorithms_enabled() and R.os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    with pytest.raises(RuntimeError, match=r"^the deterministic SFT met an op .*--nondeterministic-sft") as e:
+        with R.deterministic_algorithms(): raise RuntimeError("foo_cuda does not have a deterministic implementation\nmore")
+    assert "\n" not in str(e.value) and not torch.are_deterministic_algorithms_enabled()
+    with R.deterministic_algorithms(False): assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_plan_lists_the_device_calls_from_measured_rows(tmp_path):
+    """--plan --measured FILE: per-step, eval and run seconds from the file's rows; the calls after the base's hold whole
+    runs in run_all's order within one call's time budget; a run longer than a call is refused."""
+    preset = R.PRESETS["gpu"]
+    rows = [{"strategy": s, "seed": k, "preset": "gpu", "seconds_per_step": 1.0 + i, "completion_length_mean": 500.0,
+             "rows_per_step": 1024, "overhead_s": 5.0, "eval_seconds": 4.0} for i, s in enumerate(preset.strategies) for k in (0, 1)]
+    est = R.gpu_call_estimate(preset, completion_tokens=500.0, measured_rows=rows)
+    assert est["seconds_per_step"] == {s: 1.0 + i for i, s in enumerate(preset.strategies)}
+    assert est["run_s"] == {s: 5.0 + 4.0 + preset.train.steps * (1.0 + i) for i, s in enumerate(preset.strategies)}
+    calls = R.parity_calls(preset, est)
+    assert [r for c in calls for r in c["runs"]] == [f"{s} seed {k}" for k in preset.seeds for s in preset.strategies]
+    room = R.PARITY_TIME_BUDGET_S - R.RESTORE_RESERVE_S
+    for c in calls:
+        work = sum(est["run_s"][r.split(" seed ")[0]] for r in c["runs"])
+        assert work <= room and c["seconds"] == pytest.approx(R.STARTUP_RESERVE_S + R.RESTORE_RESERVE_S + work + R.REPORT_RESERVE_S)
+        assert c["seconds"] <= R.DEVICE_CALL_S
+    for a, b in zip(calls, calls[1:]):                                  # a call ends only when the next run does not fit
+        assert sum(est["run_s"][r.split(" seed ")[0]] for r in a["runs"]) + est["run_s"][b["runs"][0].split(" seed ")[0]] > room
+    with pytest.raises(ValueError, match="cannot be carried"):
+        R.parity_calls(preset, est | {"run_s": dict.fromkeys(preset.strategies, 1000.0)})
+    measured = tmp_path / "measured.jsonl"
+    measured.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = R.plan(preset, "cpu", measured=measured, log=lambda *_: None)
+    assert info["h200_call"]["seconds_per_step"]["jet"] == pytest.approx(2.0, abs=0.01) and str(measured) in info["h200_call"]["source"]
+    assert info["device_calls"][0]["what"].startswith("the base") and len(info["device_calls"]) == 1 + len(calls)
+    assert info["carried"]["total_MiB"] <= info["carried"]["limit_MiB"]
+    assert R.main(["--preset", "gpu", "--plan", "--measured", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_the_long_preset_writes_over_2048_tokens_and_every_run_fits_a_call():
+    "gpu-long: worked solutions of >= 2,048 tokens on average, under its limit; each run and each base build fits one call."
+    preset = R.PRESETS["gpu-long"]
+    assert set(preset.strategies) == {"bf16", "jet", "fp8-rollout"} and len(preset.seeds) >= 3
+    est = R.gpu_call_estimate(preset)
+    assert 2048 <= est["completion_tokens"] and est["completion_tokens"] * 1.1 < preset.train.max_new_tokens
+    assert all(c["seconds"] <= R.DEVICE_CALL_S for c in R.parity_calls(preset, est) + R.base_calls(est))
+    assert est["sft_s"] > R.gpu_call_estimate(R.PRESETS["gpu"], completion_tokens=500)["sft_s"]   # longer sequences: a longer SFT
+    assert R.carried_sizes(preset, est["completion_tokens"])["total_MiB"] <= 64
+
+
+def test_the_fp8_kv_strategy_runs_on_the_gpu_base_for_issue_34():
+    "jet-fp8kv is a strategy of the runner: two seeds of it on the gpu preset's base pair with that preset's bf16 and jet."
+    args = R.parse_args(["--preset", "gpu", "--strategies", "jet-fp8kv", "--seeds", "0,1", "--out", "x"])
+    preset = R.preset_from_args(args)
+    assert preset.strategies == ("jet-fp8kv",) and preset.seeds == (0, 1) and preset.sft == R.PRESETS["gpu"].sft
+    assert R.build_policy("jet-fp8kv", "jetrl-tiny", "cpu").spec.kv_fp8 and "jet-fp8kv" in R.DESCRIPTIONS
+
+
+def test_a_run_that_cannot_fit_a_call_is_refused_not_started_again_and_again(tmp_path):
+    """expected_run_seconds: finished runs (steps x s/step, their overhead and eval), else the s/step a cut run measured
+    (OUT/step_seconds.json, which --pack carries), else the plan's prior. A run expected to outlast a call's whole budget
+    is one error, where it would otherwise be started and cut in every call."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert R.expected_run_seconds(out, "jet", 30, prior={"bf16": 100.0, "jet": 120.0}) == 120.0
+    assert R.expected_run_seconds(out, "fp8-rollout", 30, prior={"bf16": 100.0, "jet": 120.0}) == 120.0   # the largest
+    R.record_step_seconds(out, "jet", 20.0)
+    assert R.expected_run_seconds(out, "jet", 30, prior={"jet": 120.0}) == 600.0 == R.expected_run_seconds(out, "bf16", 30)
+    finished = R.run_dir(out, "bf16", 0)
+    finished.mkdir(parents=True)
+    (finished / "metrics.jsonl").write_text(json.dumps({"config": {}}) + "\n" + "".join(json.dumps({"step": i, "time/step": 2.0}) + "\n" for i in range(3)))
+    (finished / "done.json").write_text(json.dumps({"overhead_s": 5.0, "eval_seconds": 4.0}))
+    assert R.expected_run_seconds(out, "bf16", 30) == 30 * 2.0 + 5.0 + 4.0
+    smoke = R.replace(R.PRESETS["smoke"], strategies=("jet",), eval_prompts=0)
+    with pytest.raises(RuntimeError, match=r"jet run takes about 60 s, more than a call's whole --time-budget \(50 s\)"):
+        R.run_all(R.replace(smoke, train=R.replace(smoke.train, steps=3)), out, "cpu", math.inf, log=lambda *_: None, budget_s=50)
+    assert not R.run_dir(out, "jet", 0).exists()                                # nothing started

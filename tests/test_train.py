@@ -239,3 +239,51 @@ def test_train_in_a_torchrun_rank_names_the_distributed_runner(monkeypatch):
     "train() runs one process: in a rank of a torchrun launch it says which function runs every rank."
     for key, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1").items(): monkeypatch.setenv(key, value)
     with pytest.raises(RuntimeError, match="train_distributed"): train(TrainConfig())
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    "A reward every completion of a random model earns differently: its length (so advantages are not all 0)."
+    return [float(len(c)) for c in completions]
+
+
+def test_loss_statistics_are_the_whole_steps_not_the_last_micro_batchs(model_dir):
+    """clip_ratio/* and the other loss statistics weigh every micro-batch by its tokens (merge_loss_stats), and loss/tokens
+    counts the whole batch once: split into micro-batches of 4 rows, a step logs what one micro-batch of all rows logs."""
+    from jetrl.train import merge_loss_stats
+    parts = [{"clip_ratio/low_mean": 0.5, "loss/tokens": 10.0}, {"clip_ratio/low_mean": 0.0, "loss/tokens": 30.0}]
+    assert merge_loss_stats(parts) == {"clip_ratio/low_mean": 0.125, "loss/tokens": 40.0}
+    assert merge_loss_stats(parts + parts, passes=2)["loss/tokens"] == 40.0
+    base = dict(model=model_dir, strategy="bf16", steps=1, prompts_per_step=4, max_new_tokens=8, lr=3e-2,
+                grpo=GRPOConfig(num_generations=4, num_iterations=2))          # the second pass is off-policy: ratios move
+    whole, split = (train(TrainConfig(**base, micro_batch_size=size), reward_funcs=length_reward).history[0] for size in (0, 4))
+    tokens = whole["completions/mean_length"] * 16
+    assert split["loss/tokens"] == whole["loss/tokens"] == pytest.approx(tokens)        # not the last micro-batch's ~tokens / 4
+    assert whole["clip_ratio/region_mean"] > 0                                            # something is clipped
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert split[key] == pytest.approx(whole[key], abs=1.01 / tokens), key          # at most one token on the clip's edge
+
+
+def test_kl_to_start_is_logged_when_asked_and_changes_nothing_else(model_dir, tmp_path):
+    """log_kl_to_start adds drift/kl_to_start (0 at the first step, where the policy is the start; above 0 after updates)
+    and changes no other number; the option is logged only when set, so a run logged without it resumes."""
+    import json
+    base = dict(model=model_dir, strategy="fp8-rollout", steps=3, prompts_per_step=2, max_new_tokens=6, lr=1e-2,
+                grpo=GRPOConfig(num_generations=4))
+    plain = train(TrainConfig(**base), tmp_path / "plain", reward_funcs=length_reward).history
+    drift = train(TrainConfig(**base, log_kl_to_start=True), tmp_path / "drift", reward_funcs=length_reward).history
+    assert "drift/kl_to_start" not in plain[0]
+    assert drift[0]["drift/kl_to_start"] == 0.0 and 0 < drift[1]["drift/kl_to_start"] < drift[2]["drift/kl_to_start"]
+    skip = {"drift/kl_to_start", "samples"} | {k for k in plain[0] if k.startswith(("time/", "sync/", "rollout/tokens_per_s"))}
+    assert [{k: v for k, v in m.items() if k not in skip} for m in plain] == [{k: v for k, v in m.items() if k not in skip} for m in drift]
+    assert "log_kl_to_start" not in read_metrics(tmp_path / "plain")[0] and read_metrics(tmp_path / "drift")[0]["log_kl_to_start"] is True
+    assert TrainConfig.from_dict(json.loads(json.dumps(TrainConfig(log_kl_to_start=True).to_dict()))).log_kl_to_start
+    assert len(train(TrainConfig(**base), tmp_path / "plain", resume=True, reward_funcs=length_reward).history) == 3   # no "(absent)" refused
+
+
+def test_rollout_side_clip_fractions_are_logged_and_zero_without_a_mismatch(model_dir):
+    "mismatch/clip_ratio/*: the tokens PPO would clip with the rollout's log-probs as pi_old; none where both sides agree."
+    for strategy in ("bf16", "fp8-rollout"):
+        m = train(TrainConfig(model=model_dir, strategy=strategy, steps=1, prompts_per_step=4, max_new_tokens=8,
+                              grpo=GRPOConfig(num_generations=4))).history[0]
+        assert 0 <= m["mismatch/clip_ratio/low_mean"] <= 1 and 0 <= m["mismatch/clip_ratio/high_mean"] <= 1
+        if strategy == "bf16": assert m["mismatch/clip_ratio/low_mean"] == m["mismatch/clip_ratio/high_mean"] == 0.0
