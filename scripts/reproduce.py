@@ -414,7 +414,7 @@ GPU_STEPS = 30
 GPU_PROMPTS = 128
 GPU_SFT_STEPS = 1500       # a 2,000-step SFT of this base was at loss 0.006 by step 1500 and 0.0036 over its last 100
 GPU_LR = 2e-5
-# Learning parity (issue 35) needs seeds enough for an interval: 5 of the gpu preset, all on one base (--base). jet runs
+# Learning parity needs seeds enough for an interval: 5 of the gpu preset, all on one base (--base). jet runs
 # right after bf16 in each seed, so a set stopped early still holds whole pairs of the comparison that matters most.
 GPU_SEEDS = (0, 1, 2, 3, 4)
 # The long preset: a worked step is ~11 tokens of this tokenizer, so 200-step chains give worked solutions of ~2,180

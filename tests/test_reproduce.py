@@ -98,7 +98,7 @@ def test_step_time_model_and_eval_seconds_recover_known_numbers(tmp_path):
 
 def test_gpu_preset_runs_whole_within_device_calls_even_at_full_length():
     """4 strategies x 2 seeds at >= 512 tokens: per-step times from the batch measured at the preset's 1024 rows (the
-    session-6 reproduction), scaled linearly above it (an upper bound); each call holds whole runs (the first also the
+    reproduction in reproduce_gpu.jsonl), scaled linearly above it (an upper bound); each call holds whole runs (the first also the
     SFT and the base's eval), even at max_new_tokens; the estimate is within 10% of what that reproduction took."""
     assert len(R.PRESETS["gpu"].seeds) == 5 and set(R.PRESETS["gpu"].strategies) == {"bf16", "jet", "fp8-rollout", "fp8-rollout-tis"}
     preset = R.replace(R.PRESETS["gpu"], seeds=(0, 1))                 # the measured reproduction's two seeds
@@ -430,7 +430,7 @@ def test_the_long_preset_writes_over_2048_tokens_and_every_run_fits_a_call():
     assert R.carried_sizes(preset, est["completion_tokens"])["total_MiB"] <= 64
 
 
-def test_the_fp8_kv_strategy_runs_on_the_gpu_base_for_issue_34():
+def test_the_fp8_kv_strategy_runs_on_the_gpu_base():
     "jet-fp8kv is a strategy of the runner: two seeds of it on the gpu preset's base pair with that preset's bf16 and jet."
     args = R.parse_args(["--preset", "gpu", "--strategies", "jet-fp8kv", "--seeds", "0,1", "--out", "x"])
     preset = R.preset_from_args(args)
