@@ -26,8 +26,9 @@ KEY_BLOCK = 64          # keys per step of the attention's online softmax: the o
 KEY_SPLIT = 512         # keys per split: each split's softmax on its own, the splits merged in column order (both sides)
 ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, so the order of its row sums
 ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
-# registers per thread with FP8 keys and values: unbounded, the compiler takes 184 at head_dim 128, which leaves room for
-# 2 programs per SM; at 128 it spills 32 bytes and 4 fit (sm_90, Triton 3.6). Register allocation does not change the bits
+# registers per thread of decode's attention with FP8 keys and values: unbounded, the compiler takes 184 at head_dim 128,
+# room for 2 programs per SM; at 128 it spills 32 bytes and 4 fit (sm_90, Triton 3.6). The trainer's tiles stay unbounded
+# (253 registers; bounded, they would spill 224 bytes). Register allocation does not change the bits
 FP8_KV_MAX_REGISTERS = 128
 
 @triton.jit
@@ -218,7 +219,8 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
     tiles = math.ceil(group / QUERY_TILE) if heads_as_rows else math.ceil(Tq / QUERY_TILE)
     common = dict(HEADS_AS_ROWS=heads_as_rows, KV_FP8=kv_fp8, BLOCK_Q=QUERY_TILE, BLOCK_KV=KEY_BLOCK,
                   SPLIT_BLOCKS=KEY_SPLIT // KEY_BLOCK, D=D, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
-                  enable_fp_fusion=False, **({"maxnreg": FP8_KV_MAX_REGISTERS} if kv_fp8 and FP8_KV_MAX_REGISTERS else {}))
+                  enable_fp_fusion=False,
+                  **({"maxnreg": FP8_KV_MAX_REGISTERS} if kv_fp8 and heads_as_rows and FP8_KV_MAX_REGISTERS else {}))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_scale.stride()[:2], *out.stride()[:3], valid.stride(0))
     if heads_as_rows:            # decode: the key splits in parallel, into a workspace; then merged in order
         splits = math.ceil(Tk / KEY_SPLIT)
