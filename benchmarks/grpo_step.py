@@ -7,7 +7,9 @@
     python -m benchmarks grpo_step --model qwen2-7b --strategies jet --prompts 16 --micro-batch 16 \
         --kernels gluon_decode=false                       # one kernel choice against the default
     python -m benchmarks grpo_step --model llama3-8b --strategies bf16 --prompts 8 --samples 8 --new-tokens 4096 \
-        --micro-batch 8 --out benchmarks/results/grpo_step_h200.jsonl   # long rollouts: one strategy per call (a warm-up step, then the timed one)
+        --micro-batch 2 --no-cuda-graphs --release-rollout-memory --out benchmarks/results/grpo_step_h200.jsonl
+        # long rollouts: one strategy per call (a warm-up step, then the timed one); the KV cache (40 GB in BF16) freed
+        # for training, whose micro-batches of 2 rows x ~4,650 tokens hold about the 7B step's activations
     torchrun --standalone --nproc-per-node 1 -m benchmarks grpo_step --distributed ...   # FSDP2 over the ranks
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
@@ -83,6 +85,9 @@ def main(argv=None):
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing per decoder layer: a layer keeps only its input for backward and runs its "
                         "forward again there (the same numbers; `activation_memory` shows what each part keeps)")
+    p.add_argument("--release-rollout-memory", action="store_true",
+                   help="the engine frees its KV cache and graphs after each rollout (TrainConfig.release_rollout_memory): "
+                        "their allocation and capture count in the next rollout's time")
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
@@ -124,7 +129,8 @@ def run_all(args, argv):
             if world:                                   # a full rollout copy per rank, then FSDP2: before the optimizer
                 shard_policy(policy, world)
                 sync = lambda: sync_rollout_weights(policy, world, args.sync_format)
-            engine = RolloutEngine(policy, chat_template=False, fuse_projections=args.fuse_projections)
+            engine = RolloutEngine(policy, chat_template=False, fuse_projections=args.fuse_projections,
+                                   release_after_generate=args.release_rollout_memory)
             optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr)
             prompts = torch.randint(10, model.config.vocab_size, (args.prompts, args.prompt_len),
                                     generator=torch.Generator().manual_seed(1)).tolist()
@@ -149,6 +155,7 @@ def run_all(args, argv):
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
                         warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, entropy=args.entropy,
+                        release_rollout_memory=args.release_rollout_memory,
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                         gpus=world.size if world else 1, launcher="torchrun" if world else "single",
                         sync_format=args.sync_format if world else None)

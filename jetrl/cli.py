@@ -218,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="GPU: the trainer's log-probs and backward from CUDA graphs (default: on where they run, one "
                             "process on a GPU; --no-cuda-graphs for the eager trainer)")
+        s.add_argument("--release-rollout-memory", action="store_true",
+                       help="free the rollout engine's KV cache and CUDA graphs after each rollout, so that training gets their "
+                            "memory (long rollouts of a large model on one GPU); they are allocated and captured again each step")
         s.add_argument("--log-kl-to-start", action="store_true",
                        help="log drift/kl_to_start, the KL from each step's policy to the starting one (one more forward a step)")
         s.add_argument("--out", required=True, help="output folder")
@@ -233,7 +236,8 @@ def config_from_args(args, strategy: str) -> TrainConfig:
                        strategy=strategy, steps=args.steps, prompts_per_step=args.prompts_per_step, grpo=grpo,
                        max_new_tokens=args.max_new_tokens, lr=args.lr, micro_batch_size=args.micro_batch_size, seed=args.seed,
                        save_every=args.save_every, backend=args.backend, hp_dtype=args.hp_dtype, exact=args.exact,
-                       cuda_graphs=args.cuda_graphs, log_kl_to_start=args.log_kl_to_start)
+                       cuda_graphs=args.cuda_graphs, log_kl_to_start=args.log_kl_to_start,
+                       release_rollout_memory=args.release_rollout_memory)
 
 def _data_args(args) -> dict:
     "train()'s dataset and reward_funcs from --dataset and --reward: the file read and checked once, the combinations that make no sense refused."

@@ -389,11 +389,14 @@ class RolloutEngine:
     cache_implementation: 'static' (the engine's forward over a static KV cache; CUDA graphs on a GPU), 'dynamic'
     (the model's own forward, any model), or 'auto' (static where the model supports it).
     fuse_projections: q/k/v and gate/up as one GEMM each in the engine's forward (`FusedProjection`; an extra copy of
-    those weights, refreshed before every generation). None (default): on for FP8 projections on a GPU."""
+    those weights, refreshed before every generation). None (default): on for FP8 projections on a GPU.
+    release_after_generate: free the static KV cache and the CUDA graphs after every generation (`release_memory`),
+    so that training gets their memory back; the next generation allocates and captures again. For long rollouts,
+    whose cache (rows x columns x layers) would otherwise stay beside the trainer's activations."""
 
     def __init__(self, policy_or_model: "Policy | nn.Module", tokenizer=None, chat_template: bool = True,
                  cache_implementation: str = "auto", cuda_graphs: bool = True, compile: bool = False,
-                 fuse_projections: bool | None = None):
+                 fuse_projections: bool | None = None, release_after_generate: bool = False):
         if isinstance(policy_or_model, Policy):
             self.policy, tokenizer = policy_or_model, tokenizer or policy_or_model.tokenizer
         else:
@@ -413,6 +416,7 @@ class RolloutEngine:
             raise ValueError("compile=True fuses the step's kernels differently from the trainer's forward, so an exact policy "
                              "(Policy(..., exact=True)) would no longer match its trainer bit for bit: use compile=False.")
         self.cuda_graphs, self.compile, self.fuse_projections = cuda_graphs, compile, fuse_projections
+        self.release_after_generate = release_after_generate
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.eos_ids = self._eos_ids()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -468,7 +472,20 @@ class RolloutEngine:
         A single string, or a single list of token ids, is one prompt.
         With `first_row` (and a seed), row i draws from its own stream keyed by (seed, first_row + i, position): a
         row samples the same tokens however the batch is split (across ranks, for one); else one stream per batch."""
-        with use_kernel_options(self.kernel_options()): return self._generate(prompts, params, progress, first_row)
+        try:
+            with use_kernel_options(self.kernel_options()): return self._generate(prompts, params, progress, first_row)
+        finally:
+            if self.release_after_generate: self.release_memory()
+
+    def held_bytes(self) -> int:
+        "Bytes the engine holds between generations: the static KV cache (the graphs' memory pool comes on top)."
+        return 0 if self._static is None else sum(t.numel() * t.element_size() for t in self._static.cache.tensors())
+
+    def release_memory(self) -> int:
+        """Free the static KV cache and the CUDA graphs captured over it (verl's `free_cache_engine`, vLLM's sleep);
+        the next generation allocates and captures them again. Returns the cache's bytes."""
+        held, self._static = self.held_bytes(), None
+        return held
 
     def _generate(self, prompts: list, params: SamplingParams, progress: bool, first_row: int | None) -> Rollout:
         if isinstance(prompts, str) or prompt_kind(prompts) in ("token ids", "conversational"): prompts = [prompts]

@@ -69,8 +69,9 @@ def logged_config(header: dict) -> dict:
     "A log header's config, with the kernel options a run logged without them ran: the defaults."
     return {"kernels": KernelOptions().as_dict()} | header["config"]
 
-RESUME_FREE_FIELDS = ("cuda_graphs",)   # how fast a step runs, not what it computes: a resume may change them (or meet a
-                                        # run logged before they existed)
+# how fast a step runs and what memory it holds, not what it computes: a resume may change them (or meet a run logged
+# before they existed)
+RESUME_FREE_FIELDS = ("cuda_graphs", "release_rollout_memory")
 
 def _differences(logged: dict, now: dict, prefix: str = "") -> list[str]:
     "Lines 'key: old in the run, new now' for every (nested) entry that differs."

@@ -42,7 +42,7 @@ from .data import (DatasetTask, SEED_STRIDE, reward_prompts_completions, check_r
 
 # %% ../nbs/08_train.ipynb #8537122e
 ROLLOUT_BACKENDS = ("jetrl", "vllm")
-OPTIONAL_FIELDS = {"log_kl_to_start": False}   # TrainConfig fields whose default to_dict leaves out (added after runs were logged)
+OPTIONAL_FIELDS = {"log_kl_to_start": False, "release_rollout_memory": False}   # TrainConfig fields whose default to_dict leaves out (added after runs were logged)
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -75,6 +75,8 @@ class TrainConfig:
     kernels: KernelOptions = KernelOptions()   # the kernels the policy built by train() runs (jetrl.options); logged as a dict
     log_kl_to_start: bool = False              # log drift/kl_to_start, KL(pi_old || pi_start) on each step's tokens: one more
                                                # no-grad forward a step, of a frozen copy of the starting policy
+    release_rollout_memory: bool = False       # the embedded engine frees its KV cache and CUDA graphs after each rollout, so
+                                               # training gets that memory (long rollouts); re-allocated and captured each step
 
     def __post_init__(self):
         finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)             # refuses NaN and +-inf
@@ -92,6 +94,8 @@ class TrainConfig:
                   (self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'"),
                   (self.micro_batch_size >= 0, "micro_batch_size must be >= 0"), (self.save_every >= 1, "save_every must be >= 1"),
                   (self.backend in ROLLOUT_BACKENDS, f"backend must be one of {ROLLOUT_BACKENDS}"),
+                  (not (self.release_rollout_memory and self.backend == "vllm"),
+                   "release_rollout_memory frees the embedded engine's cache; vLLM keeps its own (size it with its gpu_memory_utilization)"),
                   (self.hp_dtype in (None, *HP_DTYPES), f"hp_dtype must be None or one of {sorted(HP_DTYPES)}"),
                   (isinstance(self.kernels, KernelOptions), f"kernels must be a jetrl.options.KernelOptions, got {type(self.kernels).__name__}"),
                   (isinstance(self.task, (str, Task)), f"task must be a registered task name or a jetrl.tasks.Task, got {self.task!r:.60}"),
@@ -293,7 +297,7 @@ def _set_up_run(config: TrainConfig, spec: PrecisionSpec, task: Task, rewards: R
     log_probs = trainer_graphs(policy.model, config.cuda_graphs)
     optimizer = make_optimizer(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
-    run = Run(config, policy, rollout_engine(policy, config.backend), optimizer, scheduler, task, rewards, out_dir, start_step,
+    run = Run(config, policy, rollout_engine(policy, config.backend, config.release_rollout_memory), optimizer, scheduler, task, rewards, out_dir, start_step,
               log_probs=log_probs, folder_lock=folder_lock)
     if config.grpo.beta > 0 or config.log_kl_to_start:                 # the KL reference: the policy before any update
         run.ref_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
@@ -318,10 +322,11 @@ def trainer_graphs(model: nn.Module, wanted: bool | None) -> GraphedLogProbs | N
         if next(model.parameters()).device.type == "cuda": print(f"jetrl: the trainer runs eagerly: {e}", file=sys.stderr)
         return None
 
-def rollout_engine(policy: Policy, backend: str = "jetrl"):
-    "The run's rollout engine: jetrl's embedded one, or vLLM holding the policy's own rollout weights (`jetrl.vllm_backend`)."
+def rollout_engine(policy: Policy, backend: str = "jetrl", release_memory: bool = False):
+    """The run's rollout engine: jetrl's embedded one (`release_memory`: its KV cache and graphs freed after each
+    rollout), or vLLM holding the policy's own rollout weights (`jetrl.vllm_backend`)."""
     if backend == "vllm": return VLLMEngine(policy)
-    return RolloutEngine(policy)
+    return RolloutEngine(policy, release_after_generate=release_memory)
 
 # %% ../nbs/08_train.ipynb #d00719a6
 def row_streams(engine, first_row: int = 0) -> dict:

@@ -391,6 +391,7 @@ class Preset:
     sft: SFTSpec | None = None               # build the base policy first (the model name is then OUT/base)
     window: int = 5                          # steps averaged for accuracy_first / accuracy_last
     eval_prompts: int = 256                  # held-out prompts scored before and after training (0: none)
+    min_base_accuracy: float = 0.0           # --base-only refuses to save a base below this held-out accuracy
 
 def _config(**kw) -> TrainConfig:
     G = kw.pop("group_size", 8)
@@ -412,7 +413,14 @@ def _config(**kw) -> TrainConfig:
 # 0.659 / 0.649 held out in 30 steps; every strategy learned (0.626-0.650 after).
 GPU_STEPS = 30
 GPU_PROMPTS = 128
-GPU_SFT_STEPS = 1500       # a 2,000-step SFT of this base was at loss 0.006 by step 1500 and 0.0036 over its last 100
+# The SFT sits near a sharp drop of its loss (~steps 700-1,300), so where 1,500 steps end is luck: one 1,500-step base
+# solved 0.209 of the held-out prompts, its deterministic rebuild 0.006, from which no strategy learned (bf16 0.006 ->
+# 0.008 in 30 steps, jet 0.002, fp8-rollout 0.006; benchmarks/results/reproduce_gpu_bases.jsonl). A 2,000-step SFT of this base was at loss 0.006 by
+# step 1,500 and 0.0036 over its last 100.
+GPU_SFT_STEPS = 2000
+# A base below this held-out accuracy is refused by --base-only: with 8 samples per prompt, at 0.1 more than half of
+# the groups see a reward (1 - 0.9**8 = 0.57), at 0.006 one in twenty, and GRPO's advantages are 0 in the rest.
+GPU_MIN_BASE_ACCURACY = 0.1
 GPU_LR = 2e-5
 # Learning parity needs seeds enough for an interval: 5 of the gpu preset, all on one base (--base). jet runs
 # right after bf16 in each seed, so a set stopped early still holds whole pairs of the comparison that matters most.
@@ -445,7 +453,7 @@ PRESETS = {
                   _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", 48)),
                           steps=GPU_STEPS, prompts_per_step=GPU_PROMPTS, group_size=8, max_new_tokens=640, lr=GPU_LR, record_samples=1,
                           position_bucket=64, micro_batch_size=128, warmup_steps=5, log_kl_to_start=True),
-                  sft=SFTSpec(steps=GPU_SFT_STEPS)),
+                  sft=SFTSpec(steps=GPU_SFT_STEPS), min_base_accuracy=GPU_MIN_BASE_ACCURACY),
     "gpu-long": Preset("gpu-long", "GPU, toward the paper's regime: the 22M-parameter Qwen2 trained on 200-step chains, GRPO with "
                        "~2,200-token completions", ("bf16", "jet", "fp8-rollout"), (0, 1, 2),
                        _config(task="arithmetic_chain", task_knobs=(("digits", 2), ("operators", "+-"), ("steps", LONG_CHAIN_STEPS)),
@@ -453,7 +461,7 @@ PRESETS = {
                                lr=GPU_LR, record_samples=0, position_bucket=256, micro_batch_size=32, warmup_steps=5,
                                log_kl_to_start=True),
                        sft=SFTSpec(steps=LONG_SFT_STEPS, batch_size=16, chain_steps=(8, 32, 64, 128, LONG_CHAIN_STEPS),
-                                   max_positions=LONG_POSITIONS)),
+                                   max_positions=LONG_POSITIONS), min_base_accuracy=GPU_MIN_BASE_ACCURACY),
 }
 
 
@@ -562,6 +570,11 @@ def build_base(preset: Preset, out: Path, device: str, deadline: float, into: Pa
     check_base_format(out / "base", preset.sft)
     base_accuracy(preset, out, str(out / "base"), device)
     evaluated = json.loads((out / "eval_base.json").read_text()) if (out / "eval_base.json").exists() else None
+    if evaluated is not None and evaluated["accuracy"] < preset.min_base_accuracy:
+        raise RuntimeError(f"the base SFT'd in {out / 'base'} solves {evaluated['accuracy']:.3f} of the held-out prompts, below the "
+                           f"{preset.name} preset's floor of {preset.min_base_accuracy}: GRPO from it sees a reward in too few groups "
+                           f"to learn, so it was not saved into {into}. Train it longer (--sft-steps, now {preset.sft.steps}) "
+                           f"or from another seed (--sft-seed, now {preset.sft.seed}) and build it again")
     files = save_base(out / "base", into, {"preset": preset.name, "eval_base": evaluated, "command": command, **provenance()})
     record = json.loads((into / BASE_RECORD).read_text())
     log(f"base {record['base_fingerprint']} ({preset.name}): held-out accuracy "
@@ -1282,6 +1295,8 @@ def parse_args(argv=None):
     p.add_argument("--base-only", action="store_true", help="with --base DIR: train the preset's base into OUT/base, save it into DIR, run nothing else")
     p.add_argument("--expect-fingerprint", metavar="HEX",
                    help="with --base-only: fail unless the base built here has this fingerprint (a second build's check)")
+    p.add_argument("--sft-steps", type=int, help="the base's SFT steps (default: the preset's)")
+    p.add_argument("--sft-seed", type=int, help="the base's SFT seed (default: the preset's)")
     p.add_argument("--nondeterministic-sft", action="store_true",
                    help="train the base without torch's deterministic algorithms (where an op has none; the fingerprint then "
                         "differs between builds)")
@@ -1308,8 +1323,14 @@ def preset_from_args(args) -> Preset:
         preset = replace(preset, strategies=strategies)
     if args.seeds: preset = replace(preset, seeds=tuple(int(s) for s in args.seeds.split(",")))
     if args.steps: preset = replace(preset, train=replace(preset.train, steps=args.steps))
-    if getattr(args, "nondeterministic_sft", False) and preset.sft is not None:
-        preset = replace(preset, sft=replace(preset.sft, deterministic=False))
+    sft_changes = {k: v for k, v in (("steps", getattr(args, "sft_steps", None)), ("seed", getattr(args, "sft_seed", None)),
+                                      ("deterministic", False if getattr(args, "nondeterministic_sft", False) else None))
+                   if v is not None}
+    if sft_changes and preset.sft is None:
+        raise ValueError(f"--sft-steps, --sft-seed and --nondeterministic-sft change the base SFT of a preset that trains one "
+                         f"({', '.join(n for n, p in PRESETS.items() if p.sft)}); {preset.name} starts from {preset.train.model}")
+    if "steps" in sft_changes and sft_changes["steps"] < 1: raise ValueError(f"--sft-steps must be at least 1, not {sft_changes['steps']}")
+    if sft_changes: preset = replace(preset, sft=replace(preset.sft, **sft_changes))
     return preset
 
 def main(argv=None) -> int:

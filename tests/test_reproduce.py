@@ -355,6 +355,32 @@ def test_a_carried_base_is_restored_checked_and_named_in_every_row(saved_base, t
     assert "--base-only needs --base DIR" in capsys.readouterr().err
 
 
+def test_a_base_below_the_presets_floor_is_refused_and_not_saved(tmp_path):
+    """--base-only measures the base's held-out accuracy and refuses to save a base below the preset's floor (GRPO from
+    it sees a reward in too few groups to learn), naming the accuracy, the floor and the options that change the SFT."""
+    assert R.PRESETS["gpu"].min_base_accuracy == R.GPU_MIN_BASE_ACCURACY == 0.1
+    assert R.PRESETS["gpu-long"].min_base_accuracy == 0.1
+    strict = R.replace(SMOKE_SFT, min_base_accuracy=1.01)               # no base reaches it
+    with pytest.raises(RuntimeError) as refused:
+        R.build_base(strict, tmp_path / "scratch", "cpu", math.inf, tmp_path / "saved", "cmd", log=lambda *_: None)
+    accuracy = json.loads((tmp_path / "scratch" / "eval_base.json").read_text())["accuracy"]
+    assert f"solves {accuracy:.3f} of the held-out prompts, below the smoke-sft preset's floor of 1.01" in str(refused.value)
+    assert "--sft-steps, now 3" in str(refused.value) and "--sft-seed, now 0" in str(refused.value)
+    assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
+    assert (tmp_path / "scratch" / "base" / "config.json").exists()    # the SFT's work is kept in OUT
+
+
+def test_sft_steps_and_seed_options_change_the_base_sft_only_where_there_is_one():
+    args = R.parse_args(["--preset", "gpu", "--out", "x", "--sft-steps", "2500", "--sft-seed", "3"])
+    preset = R.preset_from_args(args)
+    assert (preset.sft.steps, preset.sft.seed, preset.sft.deterministic) == (2500, 3, True)
+    assert preset.train == R.PRESETS["gpu"].train and R.PRESETS["gpu"].sft.steps == R.GPU_SFT_STEPS
+    with pytest.raises(ValueError, match="--sft-steps must be at least 1, not 0"):
+        R.preset_from_args(R.parse_args(["--preset", "gpu", "--out", "x", "--sft-steps", "0"]))
+    with pytest.raises(ValueError, match="smoke starts from"):
+        R.preset_from_args(R.parse_args(["--preset", "smoke", "--out", "x", "--sft-seed", "1"]))
+
+
 def test_results_rows_carry_the_diagnostics_and_the_report_draws_them(tmp_path):
     "Each row: clipping by advantage sign (loss and rollout side), entropy, gradient norm, KL to the start, |dlogp| by position."
     preset = R.replace(R.PRESETS["smoke"], eval_prompts=4)

@@ -331,3 +331,28 @@ def test_recompute_log_probs_takes_another_forward(tokenizer):
     logp, entropy = recompute_log_probs(policy.model, rollout, 0.7, 3, with_entropy=True, log_probs=forward)
     expected = recompute_log_probs(policy.model, rollout, 0.7, 3, with_entropy=True)
     assert calls[-1] == (1, 0.7, True) and torch.equal(logp, expected[0]) and torch.equal(entropy, expected[1])
+
+
+@pytest.mark.parametrize("strategy", ["bf16", "jet-fp8kv"])
+def test_released_memory_is_allocated_again_with_the_same_rollout(tokenizer, strategy):
+    """release_memory frees the static KV cache (and its graphs) and says how many bytes; the next generation
+    allocates it again and samples the same tokens with the same log-probs as an engine that kept it. With
+    release_after_generate the engine holds nothing between generations."""
+    params = SamplingParams(max_new_tokens=12, n=2, seed=3)
+    kept = RolloutEngine(Policy(make_model(tokenizer), tokenizer, strategy), chat_template=False)
+    released = RolloutEngine(Policy(make_model(tokenizer), tokenizer, strategy), chat_template=False,
+                             release_after_generate=True)
+    first = kept.generate(PROMPTS, params)
+    rows, columns = kept._static.cache.rows, kept._static.cache.capacity
+    store = 1 if strategy == "jet-fp8kv" else 4                                  # FP8 codes, or fp32 on the CPU
+    per_column = 2 * 2 * 2 * 32 * store + (2 * 2 * 2 * 4 if strategy == "jet-fp8kv" else 0)   # K+V, layers, kv heads, head_dim (+ scales)
+    assert kept.held_bytes() == rows * columns * (per_column + 1)               # + the valid mask's byte
+    again = kept.generate(PROMPTS, params)
+    for engine in (released, released):                                        # twice: allocated again each time
+        out = engine.generate(PROMPTS, params)
+        assert engine._static is None and engine.held_bytes() == 0
+        assert torch.equal(out.completion_ids, again.completion_ids) and torch.equal(out.logprobs, again.logprobs)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    held = kept.held_bytes()
+    assert kept.release_memory() == held > 0 and kept.held_bytes() == 0 and kept._static is None
+    assert torch.equal(kept.generate(PROMPTS, params).logprobs, again.logprobs)

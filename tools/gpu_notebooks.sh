@@ -6,14 +6,14 @@
 #     JETRL_GIT_SHA=<git rev-parse --short HEAD here> bash tools/gpu_notebooks.sh         # device run, carry [".whl"]
 #
 # 1. installs the wheels carried in .whl/ into /tmp/site: what the notebooks import that the GPU image lacks (plotly,
-#    ipywidgets, IPython, fastcore and their dependencies). Made here, once, in the repository root:
+#    ipywidgets, anywidget for plotly's FigureWidget, IPython, fastcore and their dependencies). Made here, once, in the repository root:
 #      echo /.whl/ >> .git/info/exclude
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #        plotly==7.1.0 ipython==9.18.1 ipywidgets==8.1.9 fastcore==2.2.41 traitlets==5.16.1 comm==0.2.3 jedi==0.20.1 \
 #        parso==0.8.7 matplotlib-inline==0.2.2 pexpect==4.9.0 prompt_toolkit==3.0.53 ptyprocess==0.7.0 pure_eval==0.2.4 \
 #        stack-data==0.6.3 wcwidth==0.9.4 widgetsnbextension==4.0.16 jupyterlab_widgets==3.0.17 asttokens==3.0.2 \
-#        executing==2.3.0 ipython_pygments_lexers==1.1.1                                        # about 19 MB
+#        executing==2.3.0 ipython_pygments_lexers==1.1.1 anywidget==0.11.0 psygnal==0.16.1          # about 20 MB
 # 2. runs tools/run_notebooks.py over nbs/*.ipynb and nbs/walkthrough/*.ipynb with --flags cuda, the slowest first,
 #    starting none in the last 30 s of BUDGET and killing what still runs at its end (reported NOT RUN / FAIL).
 # Writes $OUT/notebooks_h200.txt (the command, date, git sha, per notebook PASS/FAIL, seconds, cells, the failing
