@@ -26,59 +26,71 @@ KEY_BLOCK = 64          # keys per step of the attention's online softmax: the o
 KEY_SPLIT = 512         # keys per split: each split's softmax on its own, the splits merged in column order (both sides)
 ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, so the order of its row sums
 ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
-# registers per thread of decode's attention with FP8 keys and values: unbounded, the compiler takes 184 at head_dim 128,
-# room for 2 programs per SM; at 128 it spills 32 bytes and 4 fit (sm_90, Triton 3.6). The trainer's tiles stay unbounded
-# (253 registers; bounded, they would spill 224 bytes). Register allocation does not change the bits
+# registers per thread of decode's attention with FP8 keys and values: unbounded, the compiler takes 168 at head_dim 128,
+# room for 3 programs per SM; at 128 it spills 32 bytes and 4 fit (sm_90, Triton 3.6; with 184 unbounded, 128 measured
+# 141 us against 189 us: benchmarks/README.md). The trainer's tiles stay unbounded (255 registers). Register allocation
+# does not change the bits
 FP8_KV_MAX_REGISTERS = 128
 
 @triton.jit
 def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
-              BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr):
-    # one step of the online softmax: the tile's queries over key block kb, folded into (max, sum, unnormalized output)
+              BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    # one step of the online softmax: the tile's queries over key block kb, folded into (max, sum, unnormalized output).
+    # MASKED: the block runs past the cache's last column. CAUSAL: the block may hold keys after a query's column (else
+    # every key precedes every query of the tile, and only the keys' validity rules: the same keys allowed, fewer ops)
     d = tl.arange(0, D)
     kc = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
-    if MASKED:   # the block runs past the cache's last column: those keys read as 0 and are not allowed
+    if MASKED:   # the keys past the cache's last column read as 0 and are not allowed
         k_ok = kc < Tk
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(v_row + kc[:, None] * sv_t + d[None, :], mask=k_ok[:, None], other=0.0)
         valid = tl.load(valid_row + kc, mask=k_ok, other=0) != 0
+        if KV_FP8: k_scale, v_scale = tl.load(ks_row + kc, mask=k_ok, other=0.0), tl.load(vs_row + kc, mask=k_ok, other=0.0)
     else:        # a whole block: plain loads, which the compiler can pipeline and vectorize
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :])
         v = tl.load(v_row + kc[:, None] * sv_t + d[None, :])
         valid = tl.load(valid_row + kc) != 0
+        if KV_FP8: k_scale, v_scale = tl.load(ks_row + kc), tl.load(vs_row + kc)
     # FP8 codes are exact in fp32 and in q's precision: the products take the codes (the keys transposed first, then
     # converted through fp32, the GPU's fast route), and each token's scale multiplies its column after them
     # (q . (codes x scale) = (q . codes) x scale), on the scores and on the probabilities
     k_t = tl.trans(k)
     if KV_FP8: k_t, v = k_t.to(tl.float32).to(q.dtype), v.to(tl.float32).to(q.dtype)
     s = tl.dot(q, k_t)
-    if KV_FP8: s = s * (tl.load(ks_row + kc, mask=kc < Tk, other=0.0) * scale)[None, :]
+    if KV_FP8: s = s * (k_scale * scale)[None, :]
     else: s = s * scale
-    allowed = ((kc[None, :] <= q_col[:, None]) & valid[None, :]) | (kc[None, :] == q_col[:, None])
+    if CAUSAL: allowed = ((kc[None, :] <= q_col[:, None]) & valid[None, :]) | (kc[None, :] == q_col[:, None])
+    else: allowed = valid[None, :]      # (a tile's padding rows, column -1, then see keys: their outputs are not stored)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
     p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + tl.sum(p, axis=1)
-    if KV_FP8: p = p * tl.load(vs_row + kc, mask=kc < Tk, other=0.0)[None, :]
+    if KV_FP8: p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l, acc
 
 @triton.jit
 def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, start_block, stop_block, Tk, scale,
                   BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr):
-    # the online softmax of a tile of queries over key blocks [start_block, stop_block): (max, sum, unnormalized output);
-    # the blocks wholly inside the cache first, then the one that runs past its end, if any (same order, same bits)
+    # the online softmax of a tile of queries over key blocks [start_block, stop_block): (max, sum, unnormalized output).
+    # In column order, three kinds of block (same order, same bits): those before every query of the tile (only the
+    # keys' validity masks them), the other blocks wholly inside the cache, and the one that runs past its end, if any
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
     acc = tl.zeros((BLOCK_Q, D), tl.float32)
     whole_stop = tl.minimum(stop_block, Tk // BLOCK_KV)
-    for kb in range(start_block, whole_stop):
+    first_query = tl.min(tl.where(q_col >= 0, q_col, Tk), axis=0)       # the tile's earliest column (-1: a padding row)
+    before_stop = tl.maximum(start_block, tl.minimum(whole_stop, first_query // BLOCK_KV))
+    for kb in range(start_block, before_stop):
         m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
-                              BLOCK_KV, D, KV_FP8, False)
-    for kb in range(tl.maximum(start_block, whole_stop), stop_block):
+                              BLOCK_KV, D, KV_FP8, False, False)
+    for kb in range(before_stop, whole_stop):
         m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
-                              BLOCK_KV, D, KV_FP8, True)
+                              BLOCK_KV, D, KV_FP8, False, True)
+    for kb in range(tl.maximum(before_stop, whole_stop), stop_block):
+        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+                              BLOCK_KV, D, KV_FP8, True, True)
     return m, l, acc
 
 @triton.jit
