@@ -7,9 +7,9 @@
     python -m benchmarks grpo_step --model qwen2-7b --strategies jet --prompts 16 --micro-batch 16 \
         --kernels gluon_decode=false                       # one kernel choice against the default
     python -m benchmarks grpo_step --model llama3-8b --strategies bf16 --prompts 8 --samples 8 --new-tokens 4096 \
-        --micro-batch 2 --no-cuda-graphs --release-rollout-memory --out benchmarks/results/grpo_step_h200.jsonl
+        --micro-batch 2 --checkpointing --no-cuda-graphs --release-rollout-memory --out benchmarks/results/grpo_step_h200.jsonl
         # long rollouts: one strategy per call (a warm-up step, then the timed one); the KV cache (40 GB in BF16) freed
-        # for training, whose micro-batches of 2 rows x ~4,650 tokens hold about the 7B step's activations
+        # for training, whose micro-batches of 2 rows x ~4,650 tokens keep only each layer's input (~2.4 GB)
     torchrun --standalone --nproc-per-node 1 -m benchmarks grpo_step --distributed ...   # FSDP2 over the ranks
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
