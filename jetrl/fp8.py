@@ -128,6 +128,9 @@ def check_quantizable(x: torch.Tensor, name: str = "input"):
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name} has dtype {x.dtype}: quantize needs a floating-point tensor "
                         "(float32, bfloat16 or float16); convert with .float() if the integers are values.")
+    if x.is_meta:
+        raise ValueError(f"{name} is on the meta device (a shape without values): FP8 scales come from the values; "
+                         "load the weights first (from_pretrained, or to_empty() then load_state_dict).")
     bad = ~torch.isfinite(x)
     if bad.any():
         where = bad.nonzero()[:3].tolist()

@@ -319,6 +319,11 @@ def test_nan_in_bf16():
     with pytest.raises(ValueError, match=r"1 non-finite value\(s\) \(1 NaN, 0 Inf\)"):
         quantize(x, None)
 
+def test_meta_tensor_is_refused_with_what_to_do():
+    "A meta tensor has a shape and no values: one ValueError that says so, not torch's error from reading a value."
+    with pytest.raises(ValueError, match="meta device.*load the weights first"):
+        quantize(torch.empty(4, 128, device="meta"), (1, 128))
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
 def test_int_dtype(dtype):
     with pytest.raises(TypeError, match=f"dtype {dtype}.*floating-point"):
