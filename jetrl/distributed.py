@@ -28,11 +28,10 @@ from .forward import sequence_forward
 from .sampling import Rollout
 from .policy import Policy, SyncReport, build_rollout_copy, load_model_and_tokenizer
 from .checkpoints import CHECKPOINT_VERSION, check_checkpoint_launch, check_model_identity, model_identity, recover_checkpoint, _sibling, _fsync
-from .rollout import RolloutEngine
 from .tasks import RewardScores
 from .train import (TrainConfig, Run, OneProcess, AllRewardsFailedError, launched_by_torchrun, check_divisible, rank_block,
                          grpo_step, checkpoint_due, stop_after_failed_rewards, task_and_rewards, reward_record, resolve_strategy,
-                         _lr_lambda)
+                         rollout_engine, _lr_lambda)
 from .runfolder import (METRICS_FILE, CHECKPOINT_DIR, RunFolderPlan, append_line, lock_run_folder, plan_run_folder,
                              open_run_log)
 
@@ -454,7 +453,7 @@ def start_distributed_run(config: TrainConfig, world: World, out_dir: "str | Pat
     if ref_model is not None: shard_model(ref_model, world)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
-    run = Run(config, policy, RolloutEngine(policy), optimizer, scheduler, task, rewards, out_dir, start_step, ref_model=ref_model,
+    run = Run(config, policy, rollout_engine(policy, config.backend, config.release_rollout_memory), optimizer, scheduler, task, rewards, out_dir, start_step, ref_model=ref_model,
               folder_lock=held[0] if held else None)
     if out_dir is not None and start_step > 0:
         load_distributed_checkpoint(out_dir / CHECKPOINT_DIR, policy, optimizer, config.model); forget_fp8_weights(policy.model)

@@ -277,6 +277,12 @@ class StaticDecoder:
 
     def drop_graphs(self): self.graphs.clear()
 
+    def free(self):
+        """Drop the cache, the graphs and their memory pool now. (The step function is a bound method of this decoder,
+        a reference cycle: without this, they would wait for Python's cycle collector.)"""
+        self.graphs.clear()
+        self.cache = self._step_fn = self.pool = None
+
 # %% ../nbs/05_rollout.ipynb #55219a23
 def weights_fingerprint(model: nn.Module) -> tuple:
     "Addresses of every tensor a captured step reads (parameters, buffers, cached FP8 weights) and each FP8 recipe."
@@ -484,7 +490,8 @@ class RolloutEngine:
     def release_memory(self) -> int:
         """Free the static KV cache and the CUDA graphs captured over it (verl's `free_cache_engine`, vLLM's sleep);
         the next generation allocates and captures them again. Returns the cache's bytes."""
-        held, self._static = self.held_bytes(), None
+        held = self.held_bytes()
+        if self._static is not None: self._static.free(); self._static = None
         return held
 
     def _generate(self, prompts: list, params: SamplingParams, progress: bool, first_row: int | None) -> Rollout:

@@ -236,7 +236,14 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
     "Train the base policy into `folder` (resumable: `folder/sft_state.pt`); True when done, False at the deadline."
     from jetrl.tiny import build_tokenizer, lr_at
     from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
-    if (folder / "config.json").exists(): return True
+    wanted = {k: v for k, v in asdict(spec).items()}
+    if (folder / "config.json").exists():
+        built = json.loads((folder / "sft.json").read_text()) if (folder / "sft.json").exists() else {}
+        differ = sorted(k for k in wanted if k in built and json.dumps(built[k]) != json.dumps(wanted[k]))
+        if differ:
+            raise ValueError(f"{folder} holds a base SFT'd with other settings ({', '.join(f'{k} {built[k]} there, {wanted[k]} now' for k in differ)}): "
+                             "use another --out for this base")
+        return True
     folder.mkdir(parents=True, exist_ok=True)
     state_file, tok_dir = folder / "sft_state.pt", folder / "tokenizer"
     if tok_dir.exists(): tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
@@ -253,6 +260,8 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
     step = 0
     if state_file.exists():
         state = torch.load(state_file, map_location=device)
+        if json.dumps(state.get("spec", wanted), sort_keys=True) != json.dumps(wanted, sort_keys=True):
+            raise ValueError(f"{state_file} is an SFT stopped under other settings ({state.get('spec')}): use another --out")
         model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"]); step = state["step"]
     model.train()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
@@ -260,7 +269,7 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
     with deterministic_algorithms(spec.deterministic):
         while step < spec.steps:
             if time.time() > deadline:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_file)
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "spec": wanted}, state_file)
                 log(f"sft: stopped at step {step} (time budget); run again to continue"); return False
             rows = sft_rows(spec, spec.batch_size, offset=step * spec.batch_size)
             batch = {k: v.to(device) for k, v in encode_worked(tokenizer, rows).items()}
@@ -413,10 +422,9 @@ def _config(**kw) -> TrainConfig:
 # 0.659 / 0.649 held out in 30 steps; every strategy learned (0.626-0.650 after).
 GPU_STEPS = 30
 GPU_PROMPTS = 128
-# The SFT sits near a sharp drop of its loss (~steps 700-1,300), so where 1,500 steps end is luck: one 1,500-step base
-# solved 0.209 of the held-out prompts, its deterministic rebuild 0.006, from which no strategy learned (bf16 0.006 ->
-# 0.008 in 30 steps, jet 0.002, fp8-rollout 0.006; benchmarks/results/reproduce_gpu_bases.jsonl). A 2,000-step SFT of this base was at loss 0.006 by
-# step 1,500 and 0.0036 over its last 100.
+# The SFT's loss falls steeply around steps 700-1,300, so where 1,500 steps end decides the base: two 1,500-step bases
+# solved 0.209 and 0.006 of the held-out prompts, and no strategy learned from the second
+# (benchmarks/results/reproduce_gpu_bases.jsonl). 2,000 steps go further down that slope; the floor below checks.
 GPU_SFT_STEPS = 2000
 # A base below this held-out accuracy is refused by --base-only: with 8 samples per prompt, at 0.1 more than half of
 # the groups see a reward (1 - 0.9**8 = 0.57), at 0.006 one in twenty, and GRPO's advantages are 0 in the rest.
@@ -487,6 +495,15 @@ def held_out_accuracy(model: nn.Module, tokenizer, rows: list[dict], config: Tra
     answers = [r["answer"] for r in rows for _ in range(EVAL_SAMPLES)]
     return sum(number_reward(rollout.prompts, rollout.completions, answers)) / len(answers)
 
+def check_base_floor(preset: Preset, accuracy: float, what: str, consequence: str = ""):
+    "A RuntimeError when `accuracy` (held out) is below the preset's `min_base_accuracy`, naming what to change."
+    if accuracy >= preset.min_base_accuracy: return
+    sft = preset.sft
+    raise RuntimeError(f"{what} solves {accuracy:.3f} of the held-out prompts, below the {preset.name} preset's floor of "
+                       f"{preset.min_base_accuracy}: GRPO from it sees a reward in too few groups to learn; {consequence}"
+                       f"Build a base with a longer SFT (--sft-steps, now {sft.steps if sft else '-'}) or another seed (--sft-seed, "
+                       f"now {sft.seed if sft else '-'}) with --base-only in a fresh --out")
+
 def base_accuracy(preset: Preset, out: Path, model_name: str, device: str) -> float | None:
     "The held-out accuracy of the starting policy (the same for every strategy), computed once into OUT/eval_base.json."
     if not preset.eval_prompts: return None
@@ -517,6 +534,8 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, 
         raise ValueError(f"--base is for the presets that train their base ({', '.join(n for n, p in PRESETS.items() if p.sft)}); "
                          f"{preset.name} starts from {preset.train.model} as it is: leave --base out")
     before = base_accuracy(preset, out, model, device)
+    if before is not None and preset.sft is not None:
+        check_base_floor(preset, before, f"the base in {out / 'base'}", "no run was started. ")
     if before is not None:
         log(f"base policy: held-out accuracy {before:.3f} ({preset.eval_prompts} prompts x {EVAL_SAMPLES} samples)"
             + ("; no sample is right, so the accuracy reward gives GRPO no signal" if before == 0 else ""))
@@ -570,11 +589,8 @@ def build_base(preset: Preset, out: Path, device: str, deadline: float, into: Pa
     check_base_format(out / "base", preset.sft)
     base_accuracy(preset, out, str(out / "base"), device)
     evaluated = json.loads((out / "eval_base.json").read_text()) if (out / "eval_base.json").exists() else None
-    if evaluated is not None and evaluated["accuracy"] < preset.min_base_accuracy:
-        raise RuntimeError(f"the base SFT'd in {out / 'base'} solves {evaluated['accuracy']:.3f} of the held-out prompts, below the "
-                           f"{preset.name} preset's floor of {preset.min_base_accuracy}: GRPO from it sees a reward in too few groups "
-                           f"to learn, so it was not saved into {into}. Train it longer (--sft-steps, now {preset.sft.steps}) "
-                           f"or from another seed (--sft-seed, now {preset.sft.seed}) and build it again")
+    if evaluated is not None: check_base_floor(preset, evaluated["accuracy"], f"the base SFT'd in {out / 'base'}",
+                                               f"it was not saved into {into}. ")
     files = save_base(out / "base", into, {"preset": preset.name, "eval_base": evaluated, "command": command, **provenance()})
     record = json.loads((into / BASE_RECORD).read_text())
     log(f"base {record['base_fingerprint']} ({preset.name}): held-out accuracy "
@@ -1311,6 +1327,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.out is None and not args.plan: p.error("--out is required (a folder for the runs and the report)")
     if args.base_only and args.base is None: p.error("--base-only needs --base DIR, the folder its parts and base.json go to")
+    if args.base is not None and not args.base_only and (args.sft_steps is not None or args.sft_seed is not None or args.nondeterministic_sft):
+        p.error("--sft-steps, --sft-seed and --nondeterministic-sft change the base a run trains; with --base DIR the runs start "
+                "from the base saved there: build another with --base-only, or leave them out")
     if args.measured is not None and not args.plan: p.error("--measured goes with --plan (it changes the estimate, nothing else)")
     return args
 

@@ -366,8 +366,16 @@ def test_a_base_below_the_presets_floor_is_refused_and_not_saved(tmp_path):
     accuracy = json.loads((tmp_path / "scratch" / "eval_base.json").read_text())["accuracy"]
     assert f"solves {accuracy:.3f} of the held-out prompts, below the smoke-sft preset's floor of 1.01" in str(refused.value)
     assert "--sft-steps, now 3" in str(refused.value) and "--sft-seed, now 0" in str(refused.value)
+    assert "in a fresh --out" in str(refused.value)
     assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
     assert (tmp_path / "scratch" / "base" / "config.json").exists()    # the SFT's work is kept in OUT
+    longer = R.replace(strict, sft=R.replace(strict.sft, steps=4))      # the same OUT, asked for another SFT: refused
+    with pytest.raises(ValueError, match="SFT'd with other settings \\(steps 3 there, 4 now\\).*another --out"):
+        R.build_base(longer, tmp_path / "scratch", "cpu", math.inf, tmp_path / "saved", "cmd", log=lambda *_: None)
+    R.build_base(SMOKE_SFT, tmp_path / "ok", "cpu", math.inf, tmp_path / "saved_ok", "cmd", log=lambda *_: None)
+    with pytest.raises(RuntimeError, match="no run was started"):     # a saved base below the floor: no run starts on it
+        R.run_all(strict, tmp_path / "runs", "cpu", math.inf, base=tmp_path / "saved_ok", log=lambda *_: None)
+    assert not (tmp_path / "runs" / "runs").exists()
 
 
 def test_sft_steps_and_seed_options_change_the_base_sft_only_where_there_is_one():
@@ -379,6 +387,8 @@ def test_sft_steps_and_seed_options_change_the_base_sft_only_where_there_is_one(
         R.preset_from_args(R.parse_args(["--preset", "gpu", "--out", "x", "--sft-steps", "0"]))
     with pytest.raises(ValueError, match="smoke starts from"):
         R.preset_from_args(R.parse_args(["--preset", "smoke", "--out", "x", "--sft-seed", "1"]))
+    with pytest.raises(SystemExit):                                    # runs on a saved base: its SFT is not this command's
+        R.parse_args(["--preset", "gpu", "--out", "x", "--base", "b", "--sft-steps", "2500"])
 
 
 def test_results_rows_carry_the_diagnostics_and_the_report_draws_them(tmp_path):

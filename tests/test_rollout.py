@@ -353,6 +353,11 @@ def test_released_memory_is_allocated_again_with_the_same_rollout(tokenizer, str
         assert engine._static is None and engine.held_bytes() == 0
         assert torch.equal(out.completion_ids, again.completion_ids) and torch.equal(out.logprobs, again.logprobs)
     assert torch.equal(first.completion_ids, again.completion_ids)
-    held = kept.held_bytes()
-    assert kept.release_memory() == held > 0 and kept.held_bytes() == 0 and kept._static is None
+    import gc, weakref
+    held, key_cache = kept.held_bytes(), weakref.ref(kept._static.cache.keys[0])
+    gc.disable()                               # freed by the release itself, not by a later run of the cycle collector
+    try:
+        assert kept.release_memory() == held > 0 and kept.held_bytes() == 0 and kept._static is None
+        assert key_cache() is None, "the released cache is still alive"
+    finally: gc.enable()
     assert torch.equal(kept.generate(PROMPTS, params).logprobs, again.logprobs)

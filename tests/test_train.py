@@ -289,19 +289,26 @@ def test_rollout_side_clip_fractions_are_logged_and_zero_without_a_mismatch(mode
         if strategy == "bf16": assert m["mismatch/clip_ratio/low_mean"] == m["mismatch/clip_ratio/high_mean"] == 0.0
 
 
-def test_released_rollout_memory_trains_the_same_steps_and_resumes_either_way(model_dir, tmp_path, capsys):
+def test_released_rollout_memory_trains_the_same_steps_and_resumes_either_way(model_dir, tmp_path, capsys, monkeypatch):
     """--release-rollout-memory (TrainConfig.release_rollout_memory): the engine frees its cache after each rollout and
     allocates it again, so a run computes the same steps as one that keeps it; a resume may turn it on or off (it is
     how memory is held, not what is computed); with the vLLM backend it is refused in one line."""
+    import jetrl.train as jt
+    engines, factory = [], jt.rollout_engine
+    monkeypatch.setattr(jt, "rollout_engine", lambda *a, **k: engines.append(factory(*a, **k)) or engines[-1])
     kept, released = tmp_path / "kept", tmp_path / "released"
     assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(kept)]) == 0
     assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(released), "--release-rollout-memory"]) == 0
+    assert [e.release_after_generate for e in engines] == [False, True]
+    assert engines[0]._static is not None and engines[1]._static is None          # held after the run, and released
     (_, a), (config, b) = read_metrics(kept), read_metrics(released)
     assert config["release_rollout_memory"] is True and "release_rollout_memory" not in read_metrics(kept)[0]
     for key in ("reward", "loss", "grad_norm", "mismatch/logp_abs_diff_mean"):
         assert [m[key] for m in a] == [m[key] for m in b], key
     capsys.readouterr()
     assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(released), "--resume"]) == 0
-    assert "another config" not in capsys.readouterr().err                        # resumed without it: accepted
+    assert main(["train", "--model", model_dir, *SMALL, "--steps", "2", "--out", str(kept), "--resume",
+                 "--release-rollout-memory"]) == 0
+    assert "another config" not in capsys.readouterr().err                        # resumed with or without it: accepted
     with pytest.raises(ValueError, match="vLLM keeps its own"):
         TrainConfig(backend="vllm", release_rollout_memory=True)

@@ -27,8 +27,8 @@ KEY_SPLIT = 512         # keys per split: each split's softmax on its own, the s
 ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, so the order of its row sums
 ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
 # registers per thread of decode's attention with FP8 keys and values: unbounded, the compiler takes 168 at head_dim 128,
-# room for 3 programs per SM; at 128 it spills 32 bytes and 4 fit (sm_90, Triton 3.6; with 184 unbounded, 128 measured
-# 141 us against 189 us: benchmarks/README.md). The trainer's tiles stay unbounded (255 registers). Register allocation
+# room for 3 programs per SM; at 128 it spills 32 bytes and 4 fit (sm_90, Triton 3.6: attention_resources_sm90.txt; the
+# bound's timing: attention_decode_h200.jsonl). The trainer's tiles stay unbounded (255 registers). Register allocation
 # does not change the bits
 FP8_KV_MAX_REGISTERS = 128
 
