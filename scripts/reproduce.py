@@ -236,7 +236,7 @@ def train_base_policy(spec: SFTSpec, folder: Path, device: str, deadline: float,
     "Train the base policy into `folder` (resumable: `folder/sft_state.pt`); True when done, False at the deadline."
     from jetrl.tiny import build_tokenizer, lr_at
     from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
-    wanted = {k: v for k, v in asdict(spec).items()}
+    wanted = asdict(spec)                   # what the folder's base, or its stopped SFT, must have been made with
     if (folder / "config.json").exists():
         built = json.loads((folder / "sft.json").read_text()) if (folder / "sft.json").exists() else {}
         differ = sorted(k for k in wanted if k in built and json.dumps(built[k]) != json.dumps(wanted[k]))
@@ -400,7 +400,7 @@ class Preset:
     sft: SFTSpec | None = None               # build the base policy first (the model name is then OUT/base)
     window: int = 5                          # steps averaged for accuracy_first / accuracy_last
     eval_prompts: int = 256                  # held-out prompts scored before and after training (0: none)
-    min_base_accuracy: float = 0.0           # --base-only refuses to save a base below this held-out accuracy
+    min_base_accuracy: float = 0.0           # a base below this held-out accuracy is refused: not saved, no run started
 
 def _config(**kw) -> TrainConfig:
     G = kw.pop("group_size", 8)
@@ -426,7 +426,7 @@ GPU_PROMPTS = 128
 # solved 0.209 and 0.006 of the held-out prompts, and no strategy learned from the second
 # (benchmarks/results/reproduce_gpu_bases.jsonl). 2,000 steps go further down that slope; the floor below checks.
 GPU_SFT_STEPS = 2000
-# A base below this held-out accuracy is refused by --base-only: with 8 samples per prompt, at 0.1 more than half of
+# A base below this held-out accuracy is refused (check_base_floor): with 8 samples per prompt, at 0.1 more than half of
 # the groups see a reward (1 - 0.9**8 = 0.57), at 0.006 one in twenty, and GRPO's advantages are 0 in the rest.
 GPU_MIN_BASE_ACCURACY = 0.1
 GPU_LR = 2e-5
