@@ -96,7 +96,7 @@ def run(args, argv):
                    rollout_s=rollout_s, tokens_per_s=args.rows * args.new_tokens / rollout_s,
                    prefill_s=rollout.timing["prefill_s"], decode_step_ms=decode_step_ms, bound_step_ms=bound_ms,
                    step_over_bound=decode_step_ms / bound_ms, peak_mem_gb=peak, allocated_before_gb=before,
-                   kv_cache_gb=sum(t.numel() * t.element_size() for t in cache.tensors()) / 2**30)
+                   kv_cache_gb=cache.nbytes / 2**30)
         if not args.no_gap:
             trainer = recompute_log_probs(policy.model, rollout, micro_batch_size=8)
             mask = rollout.completion_mask.bool()

@@ -80,6 +80,9 @@ class StaticKVCache:
 
     def tensors(self) -> list[torch.Tensor]: return [*self.keys, *self.values, *self.key_scales, *self.value_scales, self.valid]
 
+    @property
+    def nbytes(self) -> int: return sum(t.numel() * t.element_size() for t in self.tensors())
+
     def layer(self, i: int, rows: int, upto: int | None) -> tuple:
         "Layer i's cache for rows 0..rows-1 and columns 0..upto-1: (keys, values), or (keys, values, key_scales, value_scales)."
         parts = [self.keys[i], self.values[i]] + ([self.key_scales[i], self.value_scales[i]] if self.kv_fp8 else [])

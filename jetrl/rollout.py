@@ -485,7 +485,7 @@ class RolloutEngine:
 
     def held_bytes(self) -> int:
         "Bytes the engine holds between generations: the static KV cache (the graphs' memory pool comes on top)."
-        return 0 if self._static is None else sum(t.numel() * t.element_size() for t in self._static.cache.tensors())
+        return 0 if self._static is None else self._static.cache.nbytes
 
     def release_memory(self) -> int:
         """Free the static KV cache and the CUDA graphs captured over it (verl's `free_cache_engine`, vLLM's sleep);

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 import jetrl
 from .options import KernelOptions, use_kernel_options
 from .grpo import GRPOConfig, group_advantages, grpo_loss, high_entropy_mask
-from .mismatch import (MAX_ABS_LOG_RATIO, mismatch_metrics, mismatch_by_position, kl_to_prev_policy, ratio_stats,
-                            clip_by_advantage_sign)
+from .mismatch import (MAX_ABS_LOG_RATIO, k3_per_token, mismatch_metrics, mismatch_by_position, kl_to_prev_policy,
+                            ratio_stats, clip_by_advantage_sign)
 from .strategies import PrecisionSpec, HP_DTYPES, get_strategy
 from .logprobs import token_log_probs, recompute_log_probs, micro_batches, GraphedLogProbs
 from .sampling import SamplingParams, Rollout
@@ -416,7 +416,7 @@ def kl_to_start(run: "Run", rollout: Rollout, old_logp: torch.Tensor, world: "On
         start_logp = recompute_log_probs(run.ref_model, rollout, run.config.temperature, run.config.micro_batch_size)
     mask = rollout.completion_mask.bool()
     d = (start_logp.double() - old_logp.double())[mask].clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
-    total, tokens = world.sum([float((torch.expm1(d) - d).clamp(min=0).sum()), float(mask.sum())]).tolist()
+    total, tokens = world.sum([float(k3_per_token(d).sum()), float(mask.sum())]).tolist()
     return {"drift/kl_to_start": total / tokens if tokens else math.nan}
 
 def optimize(run: Run, rollout: Rollout, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor | None = None,

@@ -23,7 +23,7 @@ intervals in nbs/index.ipynb (then `python tools/make_readme.py` writes it into 
 """
 from __future__ import annotations
 
-import argparse, datetime, json, math, shlex, subprocess, sys
+import argparse, datetime, json, math, os, shlex, subprocess, sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,7 +234,10 @@ def read_runs(paths: list[Path]) -> list[dict]:
             seen.add(key); runs.append(row)
     return runs
 
-def _provenance() -> dict:
+def provenance() -> dict:
+    """The date and the commit of the code that wrote a row: $JETRL_GIT_SHA where set (a copy of the tree without its
+    .git, as on a GPU machine), else git's short sha ('unknown' outside a git checkout). scripts/reproduce.py's rows too."""
+    if os.environ.get("JETRL_GIT_SHA"): return {"date": datetime.date.today().isoformat(), "git_sha": os.environ["JETRL_GIT_SHA"]}
     try: sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError): sha = "unknown"
     return {"date": datetime.date.today().isoformat(), "git_sha": sha}
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
     command = "python scripts/learning_parity.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
         runs = one_base(read_runs(args.results), strict=args.strict_base)
-        summary_rows = [s | {"sources": [_shown(f) for f in args.results], "command": command, **_provenance()} for s in summaries(runs)]
+        summary_rows = [s | {"sources": [_shown(f) for f in args.results], "command": command, **provenance()} for s in summaries(runs)]
         if args.update_index: update_index(summary_rows, _shown(args.out) if args.out else ", ".join(_shown(f) for f in args.results))
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"learning_parity: error: {e}", file=sys.stderr); return 2

@@ -56,6 +56,7 @@ from jetrl.linear import RECIPES, FP8Recipe, fp8_modules, set_recipe
 from jetrl.policy import STRATEGIES, Policy, PrecisionSpec, SyncReport, load_model_and_tokenizer
 from jetrl.tasks import STEP_WORDS, ArithmeticChainTask, number_reward
 from jetrl.train import TrainConfig, make_task, read_metrics, train
+from learning_parity import provenance        # the date and commit of a row (this folder's sibling, no torch)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -667,15 +668,6 @@ def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], m
             "overhead_s": done.get("overhead_s"), "eval_seconds": done.get("eval_seconds"),
             "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command, **provenance(),
             "complete": None}                                  # write_report: whether every run of the set is finished
-
-def provenance() -> dict:
-    """The date and the commit of the code that wrote a row: $JETRL_GIT_SHA where set (a copy of the tree without its
-    .git, as on a GPU machine), else git's short sha ('unknown' outside a git checkout)."""
-    import datetime, os, subprocess
-    if os.environ.get("JETRL_GIT_SHA"): return {"date": datetime.date.today().isoformat(), "git_sha": os.environ["JETRL_GIT_SHA"]}
-    try: sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError): sha = "unknown"
-    return {"date": datetime.date.today().isoformat(), "git_sha": sha}
 
 def _fmt(x, spec=".2f") -> str: return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
