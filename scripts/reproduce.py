@@ -56,7 +56,8 @@ from jetrl.linear import RECIPES, FP8Recipe, fp8_modules, set_recipe
 from jetrl.policy import STRATEGIES, Policy, PrecisionSpec, SyncReport, load_model_and_tokenizer
 from jetrl.tasks import STEP_WORDS, ArithmeticChainTask, number_reward
 from jetrl.train import TrainConfig, make_task, read_metrics, train
-from learning_parity import provenance        # the date and commit of a row (this folder's sibling, no torch)
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # this folder's siblings, however this file was loaded
+from learning_parity import provenance        # the date and commit of a row (no torch there)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
