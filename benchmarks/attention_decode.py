@@ -9,7 +9,7 @@ in a cache of the long rollout's capacity. Per tile setting (KEY_BLOCK, KEY_SPLI
 register bound of `jetrl.kernels.attention`; each `--tiles` entry is `block:split:warps:stages:fp8_registers`, 0 for
 unbounded registers), one row: the kernel's GPU time with BF16
 and with FP8 keys/values (CUDA graphs replayed, no host time), each against its bound (the written keys and values
-of every row, FP8 with their fp32 scales, at 4.8 TB/s), and `decode_equals_trainer`: every checked column's decode
+of every row, FP8 with their fp32 scales, at the GPU's memory bandwidth: `hbm_bytes_per_s`), and `decode_equals_trainer`: every checked column's decode
 output equals the trainer kernel's, BF16 and FP8 (block, split and warps change the bits of both sides together).
 Once: SDPA's cuDNN/flash kernels over dense keys of the mean written length (no mask, no padding): what the fastest
 general attention reads those bytes in.
@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import jetrl.kernels.attention as attention
-from benchmarks.common import add_output_args, emit, make_row, need_cuda
+from benchmarks.common import add_output_args, emit, hbm_bytes_per_s, make_row, need_cuda
 from jetrl.forward import first_valid_column
 from jetrl.kernels.support import graph_time_ms
 
-HBM_BYTES_PER_S = 4.8e12           # the H200's memory bandwidth (its data sheet)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES", "FP8_KV_MAX_REGISTERS")
 TILES = "64:512:4:3:128,64:512:4:3:0,64:512:4:2:128,32:512:4:3:128,32:512:4:3:0,64:1024:4:3:128,64:512:4:3:168"
@@ -83,11 +82,13 @@ def main(argv=None):
     q = torch.randn(args.rows, HEADS, 1, HEAD_DIM, generator=g).to(device, torch.bfloat16)
     k, v = (torch.randn(args.rows, KV_HEADS, args.capacity, HEAD_DIM, generator=g).to(device, torch.bfloat16) for _ in range(2))
     codes = attention.KVCodes(*attention.quantize_kv(k), *attention.quantize_kv(v))
-    bound_us = {kv: 1e6 * keys * KV_HEADS * 2 * per / HBM_BYTES_PER_S for kv, per in
+    bandwidth, bandwidth_source = hbm_bytes_per_s(device)
+    bound_us = {kv: 1e6 * keys * KV_HEADS * 2 * per / bandwidth for kv, per in
                 (("bf16", HEAD_DIM * 2), ("fp8", HEAD_DIM + 4))}
     scale = HEAD_DIM ** -0.5
     shape = dict(rows=args.rows, prompt_tokens_mean=float(lengths.float().mean()), generated=args.generated,
-                 keys_mean=keys / args.rows, bf16_bound_us=bound_us["bf16"], fp8_bound_us=bound_us["fp8"])
+                 keys_mean=keys / args.rows, hbm_tb_per_s=bandwidth / 1e12, bandwidth_source=bandwidth_source,
+                 bf16_bound_us=bound_us["bf16"], fp8_bound_us=bound_us["fp8"])
     dense = keys // args.rows
     qd, kd, vd = q.clone(), k[:, :, :dense].contiguous(), v[:, :, :dense].contiguous()
     from torch.nn.attention import sdpa_kernel, SDPBackend

@@ -142,6 +142,23 @@ def gpu_name(device=None) -> str:
     return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
 
 
+# memory bandwidth by GPU, from each card's data sheet: the bound a memory-bound step is measured against. The names
+# as torch.cuda.get_device_name reports them; the longest name that is part of the device's wins
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12}
+
+
+def hbm_bytes_per_s(device=None) -> tuple[float, str]:
+    """(bytes per second, where the number comes from) for a decode bound: the data sheet's for a GPU the table names,
+    else what a 1 GiB device-to-device copy reaches here (its reads plus its writes), which is a little below it."""
+    name = gpu_name(device)
+    known = [k for k in HBM_BYTES_PER_S if k in name]
+    if known: return HBM_BYTES_PER_S[max(known, key=len)], f"data sheet ({name})"
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = event_time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms / 1e3), f"measured copy ({name})"
+
+
 def command_line(bench: str, argv: list[str] | None, launcher: str = "python -m benchmarks") -> str:
     import shlex
     return f"{launcher} {bench} " + shlex.join(sys.argv[2:] if argv is None else argv)

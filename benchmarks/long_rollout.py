@@ -6,7 +6,8 @@
 Random-weight model of a real shape (benchmarks/common.py: llama3-8b is Llama-3-8B's), --rows ragged random prompts of
 --prompt-min..--prompt-max tokens, sampling at temperature 1 with EOS ignored, so every row generates --new-tokens.
 Per strategy, one row: the rollout's time (after a warm-up generation that captures the graphs), its decode step
-time, and the bound from the bytes a decode step must read at the H200's memory bandwidth: every weight the step
+time, and the bound from the bytes a decode step must read at the GPU's memory bandwidth (`hbm_bytes_per_s`: the
+data sheet's, the row's `hbm_tb_per_s`): every weight the step
 multiplies by (FP8 or BF16 as the strategy stores it) and the keys and values written so far (each step reads its
 row's columns up to the current one), averaged over the steps. Then the trainer recomputes the log-probs of every
 generated token (`recompute_log_probs`): the mean |log p_train - log p_rollout| and the share of identical tokens.
@@ -18,12 +19,10 @@ import argparse, statistics
 import torch
 import torch.nn as nn
 
-from benchmarks.common import add_output_args, build, emit, make_row, need_cuda, synced_clock
+from benchmarks.common import add_output_args, build, emit, hbm_bytes_per_s, make_row, need_cuda, synced_clock
 from jetrl.options import use_kernel_options
 from jetrl.policy import Policy
 from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs
-
-HBM_BYTES_PER_S = 4.8e12     # the H200's memory bandwidth (its data sheet)
 
 
 def weight_bytes_per_step(model: nn.Module) -> int:
@@ -67,6 +66,7 @@ def run(args, argv):
     model, tokenizer = build(args.model, torch.bfloat16)
     if args.layers: model.model.layers = model.model.layers[:args.layers]
     prompts = [torch.randint(10, model.config.vocab_size, (int(n),), generator=g).tolist() for n in lengths]
+    bandwidth, bandwidth_source = hbm_bytes_per_s("cuda")
     for name in args.strategies.split(","):
         strategy, _, attention = name.partition(":")
         policy = Policy(model, tokenizer, strategy, device="cuda")       # re-recipes the same model in place
@@ -87,7 +87,7 @@ def run(args, argv):
         longest = int(lengths.max())
         mean_columns = float(lengths.float().mean()) + steps / 2
         bound_ms = 1e3 * (weight_bytes_per_step(policy.rollout_model)
-                          + args.rows * mean_columns * kv_bytes_per_column(cache)) / HBM_BYTES_PER_S
+                          + args.rows * mean_columns * kv_bytes_per_column(cache)) / bandwidth
         row = dict(model=args.model, layers=len(model.model.layers), rows=args.rows,
                    prompt_tokens_mean=float(lengths.float().mean()), prompt_tokens_max=longest,
                    new_tokens=args.new_tokens, strategy=strategy, attention=attention or "jetrl",
@@ -95,7 +95,8 @@ def run(args, argv):
                    kv_bytes_per_token=kv_bytes_per_column(cache),
                    rollout_s=rollout_s, tokens_per_s=args.rows * args.new_tokens / rollout_s,
                    prefill_s=rollout.timing["prefill_s"], decode_step_ms=decode_step_ms, bound_step_ms=bound_ms,
-                   step_over_bound=decode_step_ms / bound_ms, peak_mem_gb=peak, allocated_before_gb=before,
+                   step_over_bound=decode_step_ms / bound_ms, hbm_tb_per_s=bandwidth / 1e12,
+                   bandwidth_source=bandwidth_source, peak_mem_gb=peak, allocated_before_gb=before,
                    kv_cache_gb=cache.nbytes / 2**30)
         if not args.no_gap:
             trainer = recompute_log_probs(policy.model, rollout, micro_batch_size=8)

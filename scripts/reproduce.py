@@ -568,7 +568,8 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, 
             if steps_done < config.steps: return False
             seconds = time.time() - started
             done = {"steps": steps_done, "seconds_this_call": round(seconds, 1), "steps_this_call": len(times),
-                    "overhead_s": round(seconds - sum(times), 1)}               # start-up, checkpoints: a run's seconds beside its steps
+                    "overhead_s": round(seconds - sum(times), 1),               # start-up, checkpoints: a run's seconds beside its steps
+                    "device_name": device_name(device)}                         # where its last steps ran (a row says it)
             if preset.eval_prompts:
                 started = time.time()
                 done["eval_accuracy"] = held_out_accuracy(run.policy.model, run.policy.tokenizer, eval_rows(preset), config)
@@ -593,7 +594,8 @@ def build_base(preset: Preset, out: Path, device: str, deadline: float, into: Pa
     evaluated = json.loads((out / "eval_base.json").read_text()) if (out / "eval_base.json").exists() else None
     if evaluated is not None: check_base_floor(preset, evaluated["accuracy"], f"the base SFT'd in {out / 'base'}",
                                                f"it was not saved into {into}. ")
-    files = save_base(out / "base", into, {"preset": preset.name, "eval_base": evaluated, "command": command, **provenance()})
+    files = save_base(out / "base", into, {"preset": preset.name, "eval_base": evaluated, "device_name": device_name(device),
+                                           "command": command, **provenance()})
     record = json.loads((into / BASE_RECORD).read_text())
     log(f"base {record['base_fingerprint']} ({preset.name}): held-out accuracy "
         f"{'-' if evaluated is None else format(evaluated['accuracy'], '.3f')}; saved as "
@@ -603,6 +605,10 @@ def build_base(preset: Preset, out: Path, device: str, deadline: float, into: Pa
 
 STEP_SECONDS = "step_seconds.json"   # in OUT: strategy -> mean s/step of its latest run there, finished or cut short
                                      # (a cut run's folder is left out of --pack; this small file travels)
+
+def device_name(device: str) -> str:
+    "The accelerator's name as torch reports it ('NVIDIA H100 80GB HBM3'), or 'cpu'."
+    return torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else "cpu"
 
 def record_step_seconds(out: Path, strategy: str, seconds: float) -> None:
     file = out / STEP_SECONDS
@@ -666,7 +672,7 @@ def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], m
             "kl_to_start_last": _mean([m.get("drift/kl_to_start") for m in history[-w:]]),
             "logp_abs_diff_by_position": dict(zip(("positions", "logp_abs_diff_mean"), position_profile(history, parts=1)[0][1:])),
             "base_fingerprint": base_fingerprint, "rows_per_step": preset.train.rows_per_step,
-            "overhead_s": done.get("overhead_s"), "eval_seconds": done.get("eval_seconds"),
+            "overhead_s": done.get("overhead_s"), "eval_seconds": done.get("eval_seconds"), "device_name": done.get("device_name"),
             "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command, **provenance(),
             "complete": None}                                  # write_report: whether every run of the set is finished
 
@@ -895,7 +901,7 @@ RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "a
                "completion_length_mean", "seconds_per_step", "clip_frac_neg_adv", "clip_frac_pos_adv", "entropy_first",
                "entropy_last", "grad_norm_mean", "kl_to_prev_policy_mean", "rollout_clip_frac_neg_adv", "rollout_clip_frac_pos_adv",
                "grad_norm_max", "kl_to_start_last", "logp_abs_diff_by_position", "base_fingerprint", "rows_per_step", "overhead_s",
-               "eval_seconds", "preset", "complete", "command", "date", "git_sha")
+               "eval_seconds", "device_name", "preset", "complete", "command", "date", "git_sha")
 
 def _count_params(model_name: str) -> int:
     config = Path(model_name) / "config.json"
