@@ -88,6 +88,12 @@ class StaticKVCache:
         parts = [self.keys[i], self.values[i]] + ([self.key_scales[i], self.value_scales[i]] if self.kv_fp8 else [])
         return tuple(t[:rows, :, :upto] for t in parts)
 
+    def rows_view(self, start: int, stop: int) -> "StaticKVCache":
+        "Rows start..stop-1 as a cache of their own: views of the same tensors, so what is written there lands here."
+        take = lambda ts: [t[start:stop] for t in ts]
+        return StaticKVCache(take(self.keys), take(self.values), self.valid[start:stop], take(self.key_scales),
+                             take(self.value_scales))
+
     def repeat_rows(self, prompts: int, n: int, columns: int):
         "Rows 0..prompts-1 (their first `columns` columns) become prompts x n rows, prompt-major."
         for t in [*self.keys, *self.values, *self.key_scales, *self.value_scales]:

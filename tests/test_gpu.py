@@ -406,6 +406,22 @@ def test_long_rollout_engine_equals_trainer_bitwise(strategy, capsys):
 
 
 @cuda
+@pytest.mark.parametrize("strategy", ["jet", "jet-fp8kv"])
+def test_grouped_prefill_equals_one_pass_and_the_trainer(strategy):
+    """The prefill in passes of a few rows (`prefill_tokens`) writes the same keys and values and gives the same first
+    log-probs as one pass over every prompt: the same rollout bit for bit, still equal to the trainer's."""
+    from jetrl.rollout import SamplingParams
+    policy = _qwen2_05b_policy(strategy, exact=False, layers=4)
+    params = SamplingParams(n=2, max_new_tokens=64, seed=0, ignore_eos=True)
+    prompts = _ragged_prompts(16)
+    longest = max(map(len, prompts))
+    _, one_pass, _ = _gaps(policy, prompts, params, prefill_tokens=None)
+    gap, grouped, _ = _gaps(policy, prompts, params, prefill_tokens=3 * longest)          # passes of 3 rows
+    assert torch.equal(grouped.completion_ids, one_pass.completion_ids)
+    assert torch.equal(grouped.logprobs, one_pass.logprobs) and float(gap.max()) == 0.0
+
+
+@cuda
 def test_exact_trainer_micro_batch_of_one_row_equals_64_rows():
     "The trainer's log-probs of a row are the same bits whether it runs alone or with 63 others."
     from jetrl.policy import token_log_probs

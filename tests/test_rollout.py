@@ -4,6 +4,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import jetrl.rollout as rollout_module
 from jetrl.policy import Policy
 from jetrl.rollout import (RolloutEngine, SamplingParams, StaticDecoder, recompute_log_probs, sample_next,
                            static_decode_unsupported)
@@ -361,3 +362,56 @@ def test_released_memory_is_allocated_again_with_the_same_rollout(tokenizer, str
         assert key_cache() is None, "the released cache is still alive"
     finally: gc.enable()
     assert torch.equal(kept.generate(PROMPTS, params).logprobs, again.logprobs)
+
+
+@pytest.mark.parametrize("strategy", ["bf16", "jet-fp8kv"])
+def test_prefill_runs_in_passes_of_whole_rows_within_the_budget(tokenizer, strategy):
+    """prefill_tokens splits the prompts into passes of whole rows: here one row a pass (a budget below one prompt's
+    tokens still gets its row a pass) and two. Each pass writes its own rows of the cache. On the CPU, BLAS rounding
+    may move with a GEMM's row count, so the rollout is the one-pass rollout up to that rounding (bf16 here: fp32, no
+    FP8 code to flip); on a GPU, jet's invariant kernels make it the same bits (test_gpu's grouped-prefill test)."""
+    params = SamplingParams(max_new_tokens=10, n=2, seed=5)
+    policy = Policy(make_model(tokenizer), tokenizer, strategy)
+    one_pass = RolloutEngine(policy, chat_template=False, prefill_tokens=None).generate(PROMPTS, params)
+    longest = max(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
+    forward = rollout_module.decoder_forward
+    for budget, passes in ((1, [1, 1, 1, 1]), (2 * longest, [2, 2]), (None, [4])):
+        seen = []
+        def counting(model, ids, *args, **kwargs):
+            seen.append(ids.shape)
+            return forward(model, ids, *args, **kwargs)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rollout_module, "decoder_forward", counting)
+            grouped = RolloutEngine(policy, chat_template=False, prefill_tokens=budget).generate(PROMPTS, params)
+        assert [rows for rows, columns in seen if columns > 1] == passes            # a decode step: one column
+        if strategy == "bf16":
+            assert torch.equal(grouped.completion_ids, one_pass.completion_ids)
+            torch.testing.assert_close(grouped.logprobs, one_pass.logprobs, rtol=0, atol=1e-5)
+
+
+def test_an_outgrown_cache_is_freed_before_the_larger_one_is_allocated(tokenizer):
+    """A generation that needs more rows or columns than the engine's cache holds replaces it; the old cache (and its
+    graphs) is gone before the new one is allocated, so the two never share the device's memory."""
+    import gc, weakref
+    from jetrl.forward import StaticKVCache
+    engine = RolloutEngine(Policy(make_model(tokenizer), tokenizer, "jet"), chat_template=False)
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, seed=0))
+    old = weakref.ref(engine._static.cache.keys[0])
+    alive_at_allocation = []
+    allocate = StaticKVCache.allocate.__func__
+    def watched(cls, *args, **kwargs):
+        alive_at_allocation.append(old() is not None)
+        return allocate(cls, *args, **kwargs)
+    gc.disable()                                     # freed by the engine itself, not by a later run of the cycle collector
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(StaticKVCache, "allocate", classmethod(watched))
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=200, n=2, seed=0))      # more rows, more columns
+    finally: gc.enable()
+    assert alive_at_allocation == [False]
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "16384"])
+def test_prefill_tokens_must_be_a_positive_whole_number(tokenizer, bad):
+    with pytest.raises(ValueError, match="prefill_tokens must be a whole number of tokens >= 1"):
+        RolloutEngine(Policy(make_model(tokenizer), tokenizer, "bf16"), chat_template=False, prefill_tokens=bad)
