@@ -1223,7 +1223,9 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print, measure
         if measured is not None: call["source"] = f"{measured} (per-step, eval and run seconds), {call['source']}"
         scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {call['measured_rows']}: every "
                   "part of the step scaled linearly, an upper bound") if call["rows_factor"] > 1 else ""
-        log(f"on one H200: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
+        ran_on = sorted({r["device_name"] for r in measured_rows or [] if r.get("device_name")})
+        where = f"{' / '.join(ran_on)} (where the measured runs ran)" if ran_on else "H200 (the committed measurements)"
+        log(f"on one {where}: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
             f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, "
             f"{len(preset.seeds) * len(preset.strategies)} runs x ({call['run_overhead_s_each']} s + {preset.train.steps} steps), "
             f"GRPO s/step {call['seconds_per_step']} at {call['completion_tokens']:.0f} completion tokens{scaled}; "
