@@ -6,7 +6,7 @@ A row is one JSON object: {bench, date, git_sha, gpu, torch, command, options, .
 a file only when asked (`--out FILE`, also spelled `--results FILE`).
 """
 from __future__ import annotations
-import argparse, datetime, json, os, statistics, subprocess, sys, time
+import argparse, datetime, json, os, re, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
@@ -142,17 +142,24 @@ def gpu_name(device=None) -> str:
     return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
 
 
-# memory bandwidth by GPU, from each card's data sheet: the bound a memory-bound step is measured against. The names
-# as torch.cuda.get_device_name reports them; the longest name that is part of the device's wins
+# memory bandwidth by GPU, from each card's data sheet: the bound a memory-bound step is measured against. Keys are
+# words of the name torch.cuda.get_device_name reports ("NVIDIA H100 80GB HBM3"); a GH200 or any card not named here
+# gets a measured copy instead
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12}
+
+
+def data_sheet_bandwidth(name: str) -> float | None:
+    "The table's bytes per second for a device name: the longest key found in it as whole words, or None."
+    known = [k for k in HBM_BYTES_PER_S if re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", name)]
+    return HBM_BYTES_PER_S[max(known, key=len)] if known else None
 
 
 def hbm_bytes_per_s(device=None) -> tuple[float, str]:
     """(bytes per second, where the number comes from) for a decode bound: the data sheet's for a GPU the table names,
     else what a 1 GiB device-to-device copy reaches here (its reads plus its writes), which is a little below it."""
     name = gpu_name(device)
-    known = [k for k in HBM_BYTES_PER_S if k in name]
-    if known: return HBM_BYTES_PER_S[max(known, key=len)], f"data sheet ({name})"
+    sheet = data_sheet_bandwidth(name)
+    if sheet is not None: return sheet, f"data sheet ({name})"
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = event_time_ms(lambda: dst.copy_(src))

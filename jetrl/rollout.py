@@ -411,7 +411,8 @@ class RolloutEngine:
     so that training gets their memory back; the next generation allocates and captures again. For long rollouts,
     whose cache (rows x columns x layers) would otherwise stay beside the trainer's activations.
     prefill_tokens: the static cache's prefill runs over groups of prompts of at most this many tokens each (padding
-    included), which bounds its activations; the same bits as one pass under the invariant kernels. None: one pass."""
+    included), which bounds its activations. Under the invariant kernels a row's bits do not depend on the rows beside
+    it, so the rollout is the one pass's (`test_gpu.py`'s grouped-prefill test checks it). None: one pass."""
 
     def __init__(self, policy_or_model: "Policy | nn.Module", tokenizer=None, chat_template: bool = True,
                  cache_implementation: str = "auto", cuda_graphs: bool = True, compile: bool = False,

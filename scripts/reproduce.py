@@ -1192,6 +1192,13 @@ def carried_sizes(preset: Preset, tokens: float) -> dict:
     return {"tree_MiB": round(tree, 1), "base_parts_MiB": round(base, 1), "out_parts_MiB_at_end": round(out, 1),
             "per_run_MiB": round(per_run, 2), "total_MiB": round(tree + base + out, 1), "limit_MiB": 64}
 
+def measured_on(measured_rows: list[dict] | None) -> str:
+    "Which GPU the estimate's numbers come from: --measured rows give the runs' seconds, the committed H200 runs the rest."
+    ran_on = sorted({r["device_name"] for r in measured_rows or [] if r.get("device_name")})
+    if not ran_on: return "H200 (the committed measurements)"
+    return (f"{' / '.join(ran_on)} for the GRPO steps, evals and runs (--measured), the SFT and the seconds per "
+            "completion token from the committed H200 measurements")
+
 def plan(preset: Preset, device: str, measure_steps: int = 0, log=print, measured: Path | None = None,
          base: Path | None = None) -> dict:
     """What a run of `preset` will carry and cost.
@@ -1223,9 +1230,7 @@ def plan(preset: Preset, device: str, measure_steps: int = 0, log=print, measure
         if measured is not None: call["source"] = f"{measured} (per-step, eval and run seconds), {call['source']}"
         scaled = (f"; {call['rows_per_step']} rows per step, {call['rows_factor']}x the measured {call['measured_rows']}: every "
                   "part of the step scaled linearly, an upper bound") if call["rows_factor"] > 1 else ""
-        ran_on = sorted({r["device_name"] for r in measured_rows or [] if r.get("device_name")})
-        where = f"{' / '.join(ran_on)} (where the measured runs ran)" if ran_on else "H200 (the committed measurements)"
-        log(f"on one {where}: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
+        log(f"on one {measured_on(measured_rows)}: about {call['total_s']:.0f} s in all (SFT {call['sft_s']:.0f} s, "
             f"{1 + len(preset.seeds) * len(preset.strategies)} evals x {call['eval_s_each']} s, "
             f"{len(preset.seeds) * len(preset.strategies)} runs x ({call['run_overhead_s_each']} s + {preset.train.steps} steps), "
             f"GRPO s/step {call['seconds_per_step']} at {call['completion_tokens']:.0f} completion tokens{scaled}; "

@@ -453,6 +453,8 @@ def test_plan_lists_the_device_calls_from_measured_rows(tmp_path):
     assert info["device_calls"][0]["what"].startswith("the base") and len(info["device_calls"]) == 1 + len(calls)
     assert info["carried"]["total_MiB"] <= info["carried"]["limit_MiB"]
     assert R.main(["--preset", "gpu", "--plan", "--measured", str(tmp_path / "none.jsonl")]) == 2
+    assert R.measured_on(None) == "H200 (the committed measurements)"
+    assert R.measured_on([{"device_name": "NVIDIA H100 80GB HBM3"}, {}]).startswith("NVIDIA H100 80GB HBM3 for the GRPO steps")
 
 
 def test_the_long_preset_writes_over_2048_tokens_and_every_run_fits_a_call():
