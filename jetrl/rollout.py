@@ -397,8 +397,8 @@ def _finished_rollout(tokenizer, eos_ids: list[int], prompt_texts: list[str], pr
 CACHE_IMPLEMENTATIONS = ("auto", "static", "dynamic")
 CAPACITY_BLOCK = 128  # the static cache grows in whole blocks of columns, so its graphs serve other prompt lengths too
 # tokens per prefill pass (vLLM's max_num_batched_tokens): the prefill's activations grow with its tokens (64 prompts
-# of up to ~1,000 tokens at the Llama-3-8B shape took ~9 GB in one pass: long_rollout_h200.jsonl), and a pass of
-# 16,384 tokens is a GEMM of 16,384 rows, far past where the weights' bytes stop mattering
+# of up to ~1,000 tokens at the Llama-3-8B shape took ~9 GB in one pass: long_rollout_h200.jsonl, its peak less the
+# weights and the cache). The pass size's effect on prefill time is not measured yet
 PREFILL_TOKENS = 16384
 
 class RolloutEngine:
