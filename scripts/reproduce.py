@@ -1364,6 +1364,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     start = time.time()
     deadline = start + args.time_budget if args.time_budget > 0 else math.inf
+    runs_started = False
     try:
         preset = preset_from_args(args)
         if args.plan:
@@ -1381,20 +1382,26 @@ def main(argv=None) -> int:
         if preset.sft is not None and args.device.startswith("cuda") and math.isfinite(deadline):
             try: prior = gpu_call_estimate(preset)["run_s"]                  # the first run of a call, before any finished
             except (OSError, ValueError, KeyError) as e: print(f"reproduce: no run-time estimate ({e}); the first run starts regardless")
-        done = run_all(preset, args.out, args.device, deadline, base=args.base, prior_run_s=prior,
-                       budget_s=args.time_budget if args.time_budget > 0 else math.inf)
         device = "gpu" if args.device.startswith("cuda") else "cpu"
         results = args.results or (None if preset.name.startswith("smoke") else REPO / "benchmarks" / "results" / f"reproduce_{device}.jsonl")
-        table = None
-        if any((run_dir(args.out, s, seed) / "metrics.jsonl").exists() for s in preset.strategies for seed in preset.seeds):
-            table, _ = write_report(preset, args.out, command, results)
-            print(table)
+        try:
+            runs_started = True
+            done = run_all(preset, args.out, args.device, deadline, base=args.base, prior_run_s=prior,
+                           budget_s=args.time_budget if args.time_budget > 0 else math.inf)
+        finally:     # whatever stops a run (the time budget, an error such as CUDA out of memory), the finished ones are written
+            if any((run_dir(args.out, s, seed) / "metrics.jsonl").exists() for s in preset.strategies for seed in preset.seeds):
+                table, _ = write_report(preset, args.out, command, results)
+                print(table)
         print(f"{'done' if done else 'stopped at the time budget: run the same command again to continue'}; "
               f"{time.time() - start:.0f} s; report: {args.out / 'report.html'}")
         if args.pack: print("packed:", ", ".join(f"{p.name} ({p.stat().st_size / MiB:.1f} MiB)" for p in pack(args.out, args.pack)))
         return 0 if done else 3
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
-        print(f"reproduce: error: {e}", file=sys.stderr); return 2
+        print(f"reproduce: error: {e}", file=sys.stderr)
+        if runs_started:
+            print(f"reproduce: the finished runs are in {results or args.out}; every finished step is saved in {args.out}: "
+                  "run the same command again to continue", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\nreproduce: interrupted; every finished step is saved: run the same command to continue.", file=sys.stderr)
         return 130

@@ -168,6 +168,21 @@ def test_a_budget_stopped_set_without_plotly_still_writes_its_finished_runs(tmp_
     assert json.loads((tmp_path / "results_curves.json").read_text()).keys() == {"bf16_seed0"}
 
 
+def test_a_run_that_fails_keeps_the_finished_runs_rows(tmp_path, monkeypatch, capsys):
+    "A later run's error (on a GPU: CUDA out of memory) still writes the finished runs' rows, and says how to go on."
+    real_train = R.train
+    def train_then_fail(config, *args, **kwargs):
+        if config.strategy == "fp8-rollout": raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 286.00 MiB.")
+        return real_train(config, *args, **kwargs)
+    monkeypatch.setattr(R, "train", train_then_fail)
+    out, results = tmp_path / "out", tmp_path / "results.jsonl"
+    assert R.main(["--preset", "smoke", "--steps", "1", "--out", str(out), "--results", str(results)]) == 2
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["strategy"], r["seed"]) for r in rows] == [("bf16", 0)] and rows[0]["eval_accuracy_after"] is not None
+    err = capsys.readouterr().err
+    assert "CUDA out of memory" in err and f"the finished runs are in {results}" in err and "run the same command again" in err
+
+
 def test_fp4_rollout_policy_quantizes_only_the_rollout_side():
     policy = R.build_policy("rollout-nvfp4", "jetrl-tiny", "cpu")
     rollout_linears = [m for m in policy.rollout_model.modules() if isinstance(m, R.FP4RolloutLinear)]
