@@ -217,7 +217,9 @@ class StaticDecoder:
         self.graphs: dict[int, tuple] = {}                    # width -> (CUDAGraph, its output logits)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None    # one memory pool for all widths
         # compiled for the first width; a second width makes torch.compile go dynamic (at most two compilations)
-        self._step_fn = torch.compile(self._forward_step) if compile else self._forward_step
+        # the compiled step is the class's function (self passed in), not a bound method kept on self: a reference cycle
+        # would hold the model and cache until Python's cycle collector ran
+        self._compiled_step = torch.compile(StaticDecoder._forward_step) if compile else None
         # eager steps attend over the filled columns only; graphs and compiled steps keep one shape: all of them
         self.attend_filled_only = not (self.cuda_graphs or compile)
         self.width, self.filled, self.fingerprint = 0, 0, None
@@ -249,6 +251,9 @@ class StaticDecoder:
         self.cache.move_rows(keep)
         self.positions[: keep.numel()] = self.positions[keep]
         self.width = width
+
+    def _step_fn(self, width: int, upto: int | None = None) -> torch.Tensor:
+        return (self._compiled_step or StaticDecoder._forward_step)(self, width, upto)
 
     def _forward_step(self, width: int, upto: int | None = None) -> torch.Tensor:
         "One decode step of rows 0..width-1 on the tokens in `self.tokens`; advances positions and column in place."
@@ -285,10 +290,9 @@ class StaticDecoder:
     def drop_graphs(self): self.graphs.clear()
 
     def free(self):
-        """Drop the cache, the graphs and their memory pool now. (The step function is a bound method of this decoder,
-        a reference cycle: without this, they would wait for Python's cycle collector.)"""
+        "Drop the cache, the graphs and their memory pool now, while the decoder itself may still be referenced."
         self.graphs.clear()
-        self.cache = self._step_fn = self.pool = None
+        self.cache = self._compiled_step = self.pool = None
 
 # %% ../nbs/05_rollout.ipynb #55219a23
 def weights_fingerprint(model: nn.Module) -> tuple:

@@ -224,7 +224,7 @@ def test_decode_step_traces_as_one_graph(tokenizer, strategy):
     ids = torch.randint(2, len(tokenizer), (4, 8))
     with torch.no_grad():
         decoder.prefill(ids, torch.ones_like(ids), 1)
-        with assume_synced_fp8_weights(): explained = torch._dynamo.explain(decoder._forward_step)(4)
+        with assume_synced_fp8_weights(): explained = torch._dynamo.explain(StaticDecoder._forward_step)(decoder, 4)
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
 
 
@@ -409,6 +409,22 @@ def test_an_outgrown_cache_is_freed_before_the_larger_one_is_allocated(tokenizer
             engine.generate(PROMPTS, SamplingParams(max_new_tokens=200, n=2, seed=0))      # more rows, more columns
     finally: gc.enable()
     assert alive_at_allocation == [False]
+
+
+@pytest.mark.parametrize("strategy", ["bf16", "jet"])
+def test_a_dropped_engine_frees_its_model_and_cache_at_once(tokenizer, strategy):
+    """Dropping the last reference to an engine (and its policy) frees the model and the KV cache right away, not at a
+    later run of the cycle collector: a benchmark that builds one strategy after another must not hold both at once."""
+    import gc, weakref
+    policy = Policy(make_model(tokenizer), tokenizer, strategy)
+    engine = RolloutEngine(policy, chat_template=False)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=0))
+    model, cache = weakref.ref(policy.model), weakref.ref(engine._static.cache.keys[0])
+    gc.disable()
+    try:
+        del policy, engine
+        assert model() is None and cache() is None
+    finally: gc.enable()
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "16384"])
