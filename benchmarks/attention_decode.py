@@ -6,10 +6,8 @@ bytes bound and PyTorch's fastest dense attention, with the decode == trainer bi
 One decode step of one layer of the llama3-8b shape (32 query heads over 8 key/value heads, head_dim 128): --rows rows,
 ragged prompts of --prompt-min..--prompt-max tokens left-padded to the longest, the query --generated tokens past it,
 in a cache of the long rollout's capacity. Per tile setting (KEY_BLOCK, KEY_SPLIT, warps, stages and the FP8 path's
-register bound of `jetrl.kernels.attention`, and the precision FP8 keys meet the queries in, `FP8_KV_PRODUCTS`; each
-`--tiles` entry is `block:split:warps:stages:fp8_registers[:fp8_products]`, 0 for unbounded registers, bf16 or fp16),
-one row: the kernel's GPU time with BF16
-and with FP8 keys/values (CUDA graphs replayed, no host time), each against its bound (the written keys and values
+register bound of `jetrl.kernels.attention`; each `--tiles` entry is `block:split:warps:stages:fp8_registers`, 0 for
+unbounded registers), one row: the kernel's GPU time with BF16 and with FP8 keys/values (CUDA graphs replayed, no host time), each against its bound (the written keys and values
 of every row, FP8 with their fp32 scales, at the GPU's memory bandwidth: `hbm_bytes_per_s`), and `decode_equals_trainer`: every checked column's decode
 output equals the trainer kernel's, BF16 and FP8 (block, split and warps change the bits of both sides together).
 Once: SDPA's cuDNN/flash kernels over dense keys of the mean written length (no mask, no padding): what the fastest
@@ -25,21 +23,18 @@ from jetrl.forward import first_valid_column
 from jetrl.kernels.support import graph_time_ms
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES", "FP8_KV_MAX_REGISTERS", "FP8_KV_PRODUCTS")
-TILES = ("64:512:4:3:128,64:512:4:3:0,64:512:4:2:128,32:512:4:3:128,32:512:4:3:0,64:1024:4:3:128,64:512:4:3:168,"
-         "64:512:4:3:128:fp16,64:512:4:3:0:fp16,64:512:4:3:168:fp16,64:1024:4:3:0:fp16")
+TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES", "FP8_KV_MAX_REGISTERS")
+TILES = "64:512:4:3:128,64:512:4:3:0,64:512:4:3:168,64:512:4:2:128,32:512:4:3:128,64:1024:4:3:128,64:1024:4:3:0"
 
 
 def tile_settings(text: str) -> list[dict]:
     settings = []
     for entry in text.split(","):
         parts = entry.split(":")
-        products = parts.pop() if len(parts) == 6 else attention.FP8_KV_PRODUCTS
-        if len(parts) != 5 or not all(p.isdigit() for p in parts) or products not in attention.FP8_KV_PRODUCT_CHOICES:
-            raise SystemExit(f"--tiles: {entry!r} is not block:split:warps:stages:fp8_registers[:fp8_products] (five whole "
-                             f"numbers, e.g. 64:512:4:3:128; registers 0: unbounded; then optionally one of "
-                             f"{', '.join(attention.FP8_KV_PRODUCT_CHOICES)})")
-        settings.append(dict(zip(TILE_NAMES, [*map(int, parts), products])))
+        if len(parts) != 5 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"--tiles: {entry!r} is not block:split:warps:stages:fp8_registers (five whole numbers, "
+                             "e.g. 64:512:4:3:128; registers 0: unbounded)")
+        settings.append(dict(zip(TILE_NAMES, map(int, parts))))
     return settings
 
 
@@ -115,7 +110,7 @@ def main(argv=None):
             emit(make_row("attention_decode", shape | dict(
                 kernel="jetrl", key_block=tiles["KEY_BLOCK"], key_split=tiles["KEY_SPLIT"],
                 warps=tiles["ATTENTION_WARPS"], stages=tiles["ATTENTION_STAGES"],
-                fp8_max_registers=tiles["FP8_KV_MAX_REGISTERS"] or None, fp8_products=tiles["FP8_KV_PRODUCTS"],
+                fp8_max_registers=tiles["FP8_KV_MAX_REGISTERS"] or None,
                 default=tiles == chosen,
                 bf16_us=t["bf16"], fp8_us=t["fp8"], bf16_over_bound=t["bf16"] / bound_us["bf16"],
                 fp8_over_bound=t["fp8"] / bound_us["fp8"], fp8_over_bf16=t["fp8"] / t["bf16"],

@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 
 from benchmarks.common import add_output_args, build, emit, hbm_bytes_per_s, make_row, need_cuda, synced_clock
-import jetrl.kernels.attention as attention_kernels
 from jetrl.options import use_kernel_options
 from jetrl.policy import Policy
 from jetrl.rollout import RolloutEngine, SamplingParams, recompute_log_probs
@@ -47,8 +46,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks long_rollout", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--strategies", default="bf16,jet,jet-fp8kv",
-                   help="comma-separated; NAME:sdpa runs that strategy's attention by PyTorch's SDPA (the whole cache); "
-                        "NAME:fp16 its FP8 keys and values with products in fp16 (jetrl.kernels.attention.FP8_KV_PRODUCTS)")
+                   help="comma-separated; NAME:sdpa runs that strategy's attention by PyTorch's SDPA (the whole cache)")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt-min", type=int, default=100)
     p.add_argument("--prompt-max", type=int, default=1000)
@@ -69,14 +67,12 @@ def run(args, argv):
     if args.layers: model.model.layers = model.model.layers[:args.layers]
     prompts = [torch.randint(10, model.config.vocab_size, (int(n),), generator=g).tolist() for n in lengths]
     bandwidth, bandwidth_source = hbm_bytes_per_s("cuda")
-    products = attention_kernels.FP8_KV_PRODUCTS
     for name in args.strategies.split(","):
         strategy, _, attention = name.partition(":")
-        if attention not in ("", "sdpa", "fp16"):
-            raise SystemExit(f"--strategies: {name!r}: the attention variants are ':sdpa' and ':fp16'")
+        if attention not in ("", "sdpa"):
+            raise SystemExit(f"--strategies: {name!r}: the one attention variant is ':sdpa'")
         policy = Policy(model, tokenizer, strategy, device="cuda")       # re-recipes the same model in place
         if attention == "sdpa": policy.model.jetrl_invariant_attention = False      # PyTorch's SDPA over the whole cache
-        attention_kernels.FP8_KV_PRODUCTS = "fp16" if attention == "fp16" else products
         engine = RolloutEngine(policy, chat_template=False)
         engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=0, ignore_eos=True))   # graphs captured
         torch.cuda.reset_peak_memory_stats()
@@ -97,7 +93,6 @@ def run(args, argv):
                    prompt_tokens_mean=float(lengths.float().mean()), prompt_tokens_max=longest,
                    new_tokens=args.new_tokens, strategy=strategy, attention="sdpa" if attention == "sdpa" else "jetrl",
                    kv_dtype="fp8" if cache.kv_fp8 else "bf16",
-                   fp8_kv_products=attention_kernels.FP8_KV_PRODUCTS if cache.kv_fp8 else None,
                    kv_bytes_per_token=kv_bytes_per_column(cache),
                    rollout_s=rollout_s, tokens_per_s=args.rows * args.new_tokens / rollout_s,
                    prefill_s=rollout.timing["prefill_s"], decode_step_ms=decode_step_ms, bound_step_ms=bound_ms,
@@ -112,7 +107,6 @@ def run(args, argv):
                         exact_fraction=float((gap == 0).float().mean()), tokens=int(mask.sum()))
         emit(make_row("long_rollout", row, argv, "cuda"), args.out)
         policy.model.jetrl_invariant_attention = True
-        attention_kernels.FP8_KV_PRODUCTS = products
         del policy, engine, rollout
         torch.cuda.empty_cache()
 

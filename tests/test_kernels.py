@@ -875,30 +875,18 @@ def test_quantize_128x128_needs_triton_on_the_cpu():
 
 # ---- attention: the query-invariant kernel against the fp32 oracle, decode against the trainer ----
 
-@needs_kernels
-def test_fp8_products_setting_must_be_a_known_precision(monkeypatch):
-    from jetrl.kernels.attention import attention_invariant, quantize_kv
-    monkeypatch.setattr(jetrl.kernels.attention, "FP8_KV_PRODUCTS", "fp32")
-    k = torch.randn(1, 1, 16, 16).to(DEVICE, torch.bfloat16)
-    (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(k)
-    with pytest.raises(ValueError, match="FP8_KV_PRODUCTS is 'fp32': set it to one of"):
-        attention_invariant(k, kc, vc, torch.arange(16, device=DEVICE), torch.ones(1, 16, dtype=torch.bool, device=DEVICE),
-                            0.25, None, ks, vs)
-
-
 ATTENTION_VS_FP32 = 2**-7   # of the largest |value|: p rounded to bf16 (2^-9 of each term) and the output's rounding
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8-fp16-products"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_casts, monkeypatch):
-    """The kernel (BF16 or FP8 keys and values; FP8 with its products in bf16 or in fp16, `FP8_KV_PRODUCTS`) lies
+    """The kernel (BF16 keys and values; or FP8 ones, the products then in fp16) lies
     within ATTENTION_VS_FP32 of SDPA in fp32 over the same values (the exact codes x scales for FP8), ragged left
     padding and three key splits; and decode (heads as rows, splits in parallel, then merged) gives every column's
     query the trainer's bits. Splits and blocks made small for the interpreter: the same code paths."""
     from jetrl.kernels.attention import KVCodes, attend, attention_invariant, causal_key_mask, quantize_kv
     from jetrl.forward import first_valid_column
-    if kv == "fp8-fp16-products": monkeypatch.setattr(jetrl.kernels.attention, "FP8_KV_PRODUCTS", "fp16")
     monkeypatch.setattr(jetrl.kernels.attention, "KEY_SPLIT", 32)
     monkeypatch.setattr(jetrl.kernels.attention, "KEY_BLOCK", 16)
     g = torch.Generator().manual_seed(0)
@@ -907,7 +895,7 @@ def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_c
     k, v = (torch.randn(b, kv_heads, T, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     valid = torch.ones(b, T, dtype=torch.bool, device=DEVICE); valid[1, :37] = False
     start, columns, scale = first_valid_column(valid), torch.arange(T, device=DEVICE), D ** -0.5
-    codes = KVCodes(*quantize_kv(k), *quantize_kv(v)) if kv.startswith("fp8") else None
+    codes = KVCodes(*quantize_kv(k), *quantize_kv(v)) if kv == "fp8" else None
     kk, vv = (None, None) if codes else (k, v)
     trainer = attend(q, kk, vv, columns, valid, scale, True, start, codes)
     k_exact, v_exact = codes.dequantize(torch.float32) if codes else (k.float(), v.float())
@@ -918,6 +906,21 @@ def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_c
     for c in [0, 36, 37, 31, 32, 63, 64, T - 1]:
         decode = attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, scale, True, start, codes)
         assert torch.equal(decode, trainer[:, :, c:c + 1]), f"{kv}: column {c}"
-    if kv == "fp8-fp16-products":       # the setting reaches the kernel: the probabilities round otherwise
-        monkeypatch.setattr(jetrl.kernels.attention, "FP8_KV_PRODUCTS", "bf16")
-        assert not torch.equal(attend(q, kk, vv, columns, valid, scale, True, start, codes), trainer)
+
+
+@needs_kernels
+def test_fp8_kv_attention_takes_queries_beyond_fp16s_range(gpu_casts):
+    """With FP8 keys and values the products are in fp16, whose range ends at 65504 where bf16's goes on: a query
+    element beyond it is clamped to 65504, not turned into inf (which would make every score inf or NaN)."""
+    from jetrl.kernels.attention import KVCodes, attend, quantize_kv
+    g = torch.Generator().manual_seed(0)
+    b, heads, T, D = 1, 2, 16, 16
+    q = torch.randn(b, heads, T, D, generator=g).to(DEVICE, torch.bfloat16)
+    q[0, 0, :, 0] = 1e5                                          # a bf16 value, past fp16's largest
+    k, v = (torch.randn(b, 1, T, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    codes = KVCodes(*quantize_kv(k), *quantize_kv(v))
+    valid, columns = torch.ones(b, T, dtype=torch.bool, device=DEVICE), torch.arange(T, device=DEVICE)
+    out = attend(q, None, None, columns, valid, D ** -0.5, True, None, codes)
+    assert torch.isfinite(out).all()
+    clamped = attend(q.clamp(max=65504), None, None, columns, valid, D ** -0.5, True, None, codes)
+    assert torch.equal(out, clamped)
