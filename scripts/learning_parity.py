@@ -163,7 +163,7 @@ def text_chart(summary_rows: list[dict]) -> str:
             axis[column(ci[0])], axis[column(ci[1])] = "[", "]"
         axis[column(s["diff_vs_bf16_mean"])] = "*"
         lines.append(f"{s['preset'] + ' ' + s['strategy']:<{name}}  {''.join(axis)}  {s['diff_vs_bf16_mean']:+.3f} "
-                     f"{_interval(ci)}, {s['n_pairs']} seeds: {verdict(s)}")
+                     f"{_interval(ci)}, {s['n_pairs']} seed{'s' * (s['n_pairs'] != 1)}: {verdict(s)}")
     return "\n".join(lines)
 
 INDEX = REPO / "nbs" / "index.ipynb"
@@ -214,7 +214,7 @@ def figure(summary_rows: list[dict], runs: list[dict]):
             err = None if ci is None else dict(type="data", symmetric=False, array=[ci[1] - mean], arrayminus=[mean - ci[0]], thickness=3)
             fig.add_trace(go.Scatter(x=[mean], y=[name], error_x=err, mode="markers", showlegend=False,
                                      marker=dict(color="#d62728" if seen else "#1f77b4", size=13, symbol="diamond"),
-                                     hovertext=[f"{mean:+.3f} {_interval(ci)}, {s['n_seeds']} seeds: {verdict(s)}"]), 1, col)
+                                     hovertext=[f"{mean:+.3f} {_interval(ci)}, {s['n_seeds']} seed{'s' * (s['n_seeds'] != 1)}: {verdict(s)}"]), 1, col)
     fig.add_vline(x=0, line_dash="dot", row=1, col=2)
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(height=160 + 45 * len(names), margin=dict(l=10, r=10, t=70, b=30),
