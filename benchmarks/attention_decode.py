@@ -7,7 +7,8 @@ One decode step of one layer of the llama3-8b shape (32 query heads over 8 key/v
 ragged prompts of --prompt-min..--prompt-max tokens left-padded to the longest, the query --generated tokens past it,
 in a cache of the long rollout's capacity. Per tile setting (KEY_BLOCK, KEY_SPLIT, warps, stages and the FP8 path's
 register bound of `jetrl.kernels.attention`; each `--tiles` entry is `block:split:warps:stages:fp8_registers`, 0 for
-unbounded registers), one row: the kernel's GPU time with BF16 and with FP8 keys/values (CUDA graphs replayed, no host time), each against its bound (the written keys and values
+unbounded registers), one row: the kernel's GPU time with BF16 and with FP8 keys/values (FP8 values dim-major, as the
+engine's cache and `KVCodes.quantize` store them; and token-major, the keys' layout, `fp8_values_token_major_us`) (CUDA graphs replayed, no host time), each against its bound (the written keys and values
 of every row, FP8 with their fp32 scales, at the GPU's memory bandwidth: `hbm_bytes_per_s`), and `decode_equals_trainer`: every checked column's decode
 output equals the trainer kernel's, BF16 and FP8 (block, split and warps change the bits of both sides together).
 Once: SDPA's cuDNN/flash kernels over dense keys of the mean written length (no mask, no padding): what the fastest
@@ -39,7 +40,7 @@ def tile_settings(text: str) -> list[dict]:
 
 
 def decode_equals_trainer(device) -> bool:
-    "Ragged rows, three splits: the decode kernel's output at a set of columns equals the trainer kernel's, BF16 and FP8."
+    "Ragged rows, three splits: the decode kernel's output at a set of columns equals the trainer kernel's, BF16 and FP8 (both value layouts)."
     g = torch.Generator().manual_seed(1)
     T = 3 * attention.KEY_SPLIT + 77
     q = torch.randn(4, 8, T, HEAD_DIM, generator=g).to(device, torch.bfloat16)
@@ -47,9 +48,9 @@ def decode_equals_trainer(device) -> bool:
     valid = torch.ones(4, T, dtype=torch.bool, device=device)
     for row, pads in enumerate([0, 37, attention.KEY_SPLIT + 5, 900]): valid[row, :pads] = False
     start, columns = first_valid_column(valid), torch.arange(T, device=device)
-    codes = attention.KVCodes(*attention.quantize_kv(k), *attention.quantize_kv(v))
+    codes = attention.KVCodes.quantize(k, v)
     checked = sorted({*range(0, T, 97), T - 1, *(s * attention.KEY_SPLIT + d for s in (1, 2) for d in (-1, 0))})
-    for kk, vv, cc in ((k, v, None), (None, None, codes)):
+    for kk, vv, cc in ((k, v, None), (None, None, codes), (None, None, codes._replace(v=codes.v.contiguous()))):
         trainer = attention.attend(q, kk, vv, columns, valid, HEAD_DIM ** -0.5, True, start, cc)
         for c in checked:
             decode = attention.attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, HEAD_DIM ** -0.5, True, start, cc)
@@ -80,7 +81,8 @@ def main(argv=None):
     keys = int(valid.sum())                                         # written keys, every row
     q = torch.randn(args.rows, HEADS, 1, HEAD_DIM, generator=g).to(device, torch.bfloat16)
     k, v = (torch.randn(args.rows, KV_HEADS, args.capacity, HEAD_DIM, generator=g).to(device, torch.bfloat16) for _ in range(2))
-    codes = attention.KVCodes(*attention.quantize_kv(k), *attention.quantize_kv(v))
+    codes = attention.KVCodes.quantize(k, v)
+    token_major = codes._replace(v=codes.v.contiguous())                # FP8 values laid out as the keys are
     bandwidth, bandwidth_source = hbm_bytes_per_s(device)
     bound_us = {kv: 1e6 * keys * KV_HEADS * 2 * per / bandwidth for kv, per in
                 (("bf16", HEAD_DIM * 2), ("fp8", HEAD_DIM + 4))}
@@ -106,13 +108,15 @@ def main(argv=None):
         for tiles in args.tiles:
             for n, value in tiles.items(): setattr(attention, n, value)
             t = {kv: 1e3 * graph_time_ms(lambda: attention.attend(q, kk, vv, q_column, valid, scale, True, start, cc))
-                 for kv, kk, vv, cc in (("bf16", k, v, None), ("fp8", None, None, codes))}
+                 for kv, kk, vv, cc in (("bf16", k, v, None), ("fp8", None, None, codes),
+                                        ("fp8_values_token_major", None, None, token_major))}
             emit(make_row("attention_decode", shape | dict(
                 kernel="jetrl", key_block=tiles["KEY_BLOCK"], key_split=tiles["KEY_SPLIT"],
                 warps=tiles["ATTENTION_WARPS"], stages=tiles["ATTENTION_STAGES"],
                 fp8_max_registers=tiles["FP8_KV_MAX_REGISTERS"] or None,
                 default=tiles == chosen,
-                bf16_us=t["bf16"], fp8_us=t["fp8"], bf16_over_bound=t["bf16"] / bound_us["bf16"],
+                bf16_us=t["bf16"], fp8_us=t["fp8"], fp8_values_token_major_us=t["fp8_values_token_major"],
+                bf16_over_bound=t["bf16"] / bound_us["bf16"],
                 fp8_over_bound=t["fp8"] / bound_us["fp8"], fp8_over_bf16=t["fp8"] / t["bf16"],
                 decode_equals_trainer=decode_equals_trainer(device)), argv, device), args.out)
     finally:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from .linear import producer_quantizer, offer_input_fp8, dy_producer_format
 from .kernels import (attend, InvariantRMSNorm, invariant_kernels_available, silu_mul, silu_mul_quantized,
-                           rotate_half_kernel, KVCodes, quantize_kv, quantize_kv_into)
+                           rotate_half_kernel, KVCodes, new_kv_codes, quantize_kv_into)
 
 # %% ../nbs/04a_forward.ipynb #a3025bf2
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -52,7 +52,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class StaticKVCache:
     """Keys and values of every layer in tensors allocated once: (rows, kv_heads, capacity, head_dim) each; under an
     FP8 KV cache, FP8 codes with one fp32 scale per token and head in `key_scales`/`value_scales` (rows, kv_heads,
-    capacity)."""
+    capacity), the values' codes stored dim-major (`new_kv_codes`: the layout the trainer's `KVCodes.quantize` gives)."""
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid: torch.Tensor                     # (rows, capacity) bool: the column holds a real token
@@ -63,11 +63,12 @@ class StaticKVCache:
     def allocate(cls, model: nn.Module, rows: int, capacity: int, device, dtype, kv_fp8: bool = False) -> "StaticKVCache":
         config, layers = model.config, model.model.layers
         kv_heads, head_dim = config.num_key_value_heads, layers[0].self_attn.head_dim
-        store = torch.float8_e4m3fn if kv_fp8 else dtype
-        new = lambda: torch.zeros(rows, kv_heads, capacity, head_dim, device=device, dtype=store)
+        def new(dim_major: bool = False):
+            if kv_fp8: return new_kv_codes(rows, kv_heads, capacity, head_dim, device, dim_major)
+            return torch.zeros(rows, kv_heads, capacity, head_dim, device=device, dtype=dtype)
         scales = lambda: [torch.ones(rows, kv_heads, capacity, device=device) for _ in layers] if kv_fp8 else []
-        return cls([new() for _ in layers], [new() for _ in layers], torch.zeros(rows, capacity, dtype=torch.bool, device=device),
-                   scales(), scales())
+        return cls([new() for _ in layers], [new(dim_major=True) for _ in layers],
+                   torch.zeros(rows, capacity, dtype=torch.bool, device=device), scales(), scales())
 
     @property
     def kv_fp8(self) -> bool: return bool(self.key_scales)
@@ -130,7 +131,7 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
         keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))
         k, v = keys, values
     elif kv_fp8:                                         # the trainer: the same quantizer over its own keys and values
-        codes = KVCodes(*quantize_kv(k), *quantize_kv(v))
+        codes = KVCodes.quantize(k, v)
     out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 

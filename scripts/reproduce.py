@@ -1398,7 +1398,8 @@ def main(argv=None) -> int:
         return 0 if done else 3
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"reproduce: error: {e}", file=sys.stderr)
-        if runs_started:
+        trained_here = runs_started and any(f.stat().st_mtime >= start for f in args.out.glob("runs/*/metrics.jsonl"))
+        if trained_here:            # an error inside a run, not a refusal before any: say where the finished ones are
             print(f"reproduce: the finished runs are in {results or args.out}; every finished step is saved in {args.out}: "
                   "run the same command again to continue", file=sys.stderr)
         return 2

@@ -377,8 +377,10 @@ def test_split_decode_attention_equals_trainer_at_every_column(head_dim):
     valid = torch.ones(4, T, dtype=torch.bool, device="cuda")
     for row, pads in enumerate([0, 37, KEY_SPLIT + 5, 900]): valid[row, :pads] = False
     start, columns = first_valid_column(valid), torch.arange(T, device="cuda")
-    codes = KVCodes(*quantize_kv(k), *quantize_kv(v))
-    for name, (kk, vv, cc) in {"bf16": (k, v, None), "fp8": (None, None, codes)}.items():
+    codes = KVCodes.quantize(k, v)
+    token_major = codes._replace(v=codes.v.contiguous())                 # FP8 values as the keys are laid out
+    for name, (kk, vv, cc) in {"bf16": (k, v, None), "fp8": (None, None, codes),
+                               "fp8, values token-major": (None, None, token_major)}.items():
         trainer = attend(q, kk, vv, columns, valid, head_dim ** -0.5, True, start, cc)
         decode = torch.cat([attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, head_dim ** -0.5, True, start, cc)
                             for c in range(T)], dim=2)

@@ -875,13 +875,39 @@ def test_quantize_128x128_needs_triton_on_the_cpu():
 
 # ---- attention: the query-invariant kernel against the fp32 oracle, decode against the trainer ----
 
+def test_fp8_values_are_stored_dim_major_with_the_same_bytes():
+    """`new_kv_codes(dim_major=True)`: a (b, heads, T, d) view of (b, heads, d, T padded to KV_COLUMN_ALIGN) storage.
+    `quantize_kv_into` writes the same bytes there as into token-major codes (at the decode step's column and over a
+    whole sequence), and the engine's FP8 cache and the trainer's `KVCodes.quantize` both store values that way."""
+    from jetrl.kernels.attention import KV_COLUMN_ALIGN, KVCodes, new_kv_codes, quantize_kv, quantize_kv_into
+    from jetrl.forward import StaticKVCache
+    x = torch.randn(2, 3, 21, 16).to(DEVICE, torch.bfloat16)
+    token, dim = new_kv_codes(2, 3, 40, 16, DEVICE), new_kv_codes(2, 3, 40, 16, DEVICE, dim_major=True)
+    assert dim.shape == token.shape == (2, 3, 40, 16) and dim.stride()[2:] == (1, 48) and 48 % KV_COLUMN_ALIGN == 0
+    columns = torch.arange(5, 26, device=DEVICE)
+    for codes in (token, dim): quantize_kv_into(x, codes, torch.zeros(2, 3, 40, device=DEVICE), columns)
+    assert torch.equal(token.view(torch.uint8), dim.view(torch.uint8)) and token.view(torch.uint8)[:, :, 5:26].any()
+    one = new_kv_codes(2, 3, 40, 16, DEVICE, dim_major=True)            # decode: one token at its column
+    quantize_kv_into(x[:, :, 7:8], one, torch.zeros(2, 3, 40, device=DEVICE), torch.tensor([30], device=DEVICE))
+    assert torch.equal(one[:, :, 30].view(torch.uint8), token[:, :, 12].view(torch.uint8))
+    codes = KVCodes.quantize(x, x)
+    assert codes.k.stride(-1) == 1 and codes.v.stride(-2) == 1
+    assert torch.equal(codes.v.view(torch.uint8), quantize_kv(x)[0].view(torch.uint8))
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64))
+    cache = StaticKVCache.allocate(model, rows=3, capacity=37, device=DEVICE, dtype=torch.bfloat16, kv_fp8=True)
+    assert all(k.stride(-1) == 1 and v.stride(-2) == 1 and v.shape == (3, 2, 37, 16) for k, v in zip(cache.keys, cache.values))
+
+
 ATTENTION_VS_FP32 = 2**-7   # of the largest |value|: p rounded to bf16 (2^-9 of each term) and the output's rounding
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8-values-token-major"])
 def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_casts, monkeypatch):
-    """The kernel (BF16 keys and values; or FP8 ones, the products then in fp16) lies
+    """The kernel (BF16 keys and values; or FP8 ones, the products then in fp16, the values dim-major as
+    `KVCodes.quantize` stores them or token-major) lies
     within ATTENTION_VS_FP32 of SDPA in fp32 over the same values (the exact codes x scales for FP8), ragged left
     padding and three key splits; and decode (heads as rows, splits in parallel, then merged) gives every column's
     query the trainer's bits. Splits and blocks made small for the interpreter: the same code paths."""
@@ -895,7 +921,9 @@ def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_c
     k, v = (torch.randn(b, kv_heads, T, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     valid = torch.ones(b, T, dtype=torch.bool, device=DEVICE); valid[1, :37] = False
     start, columns, scale = first_valid_column(valid), torch.arange(T, device=DEVICE), D ** -0.5
-    codes = KVCodes(*quantize_kv(k), *quantize_kv(v)) if kv == "fp8" else None
+    codes = KVCodes.quantize(k, v) if kv.startswith("fp8") else None
+    if kv == "fp8-values-token-major": codes = codes._replace(v=codes.v.contiguous())
+    if codes is not None: assert codes.v.stride(-1 if kv == "fp8-values-token-major" else -2) == 1
     kk, vv = (None, None) if codes else (k, v)
     trainer = attend(q, kk, vv, columns, valid, scale, True, start, codes)
     k_exact, v_exact = codes.dequantize(torch.float32) if codes else (k.float(), v.float())
@@ -918,7 +946,7 @@ def test_fp8_kv_attention_takes_queries_beyond_fp16s_range(gpu_casts):
     q = torch.randn(b, heads, T, D, generator=g).to(DEVICE, torch.bfloat16)
     q[0, 0, :, 0] = 1e5                                          # a bf16 value, past fp16's largest
     k, v = (torch.randn(b, 1, T, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    codes = KVCodes(*quantize_kv(k), *quantize_kv(v))
+    codes = KVCodes.quantize(k, v)
     valid, columns = torch.ones(b, T, dtype=torch.bool, device=DEVICE), torch.arange(T, device=DEVICE)
     out = attend(q, None, None, columns, valid, D ** -0.5, True, None, codes)
     assert torch.isfinite(out).all()

@@ -6,10 +6,10 @@ Docs: https://jetrl.github.io/jetrl/attention_kernels.html.md"""
 
 # %% auto #0
 __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION_STAGES', 'FP8_KV_MAX_REGISTERS', 'FP16_MAX',
-           'KV_FP8_FORMAT', 'KV_BLOCK_T', 'ROTARY_BLOCK_T', 'key_block', 'split_softmax', 'first_key_block',
-           'merge_splits', 'attention_kernel', 'combine_splits_kernel', 'attention_invariant', 'quantize_kv_kernel',
-           'quantize_kv_torch', 'quantize_kv_into', 'quantize_kv', 'dequantize_kv', 'causal_key_mask', 'KVCodes',
-           'attend', 'rotary_embedding_kernel', 'rotate_half_kernel']
+           'KV_FP8_FORMAT', 'KV_BLOCK_T', 'KV_COLUMN_ALIGN', 'ROTARY_BLOCK_T', 'key_block', 'split_softmax',
+           'first_key_block', 'merge_splits', 'attention_kernel', 'combine_splits_kernel', 'attention_invariant',
+           'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into', 'quantize_kv',
+           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel', 'rotate_half_kernel']
 
 # %% ../../nbs/00i_attention_kernels.ipynb #96dca6ef
 import math
@@ -37,7 +37,7 @@ FP8_KV_MAX_REGISTERS = 128
 FP16_MAX = tl.constexpr(torch.finfo(torch.float16).max) if HAS_TRITON else torch.finfo(torch.float16).max
 
 @triton.jit
-def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
               BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     # one step of the online softmax: the tile's queries over key block kb, folded into (max, sum, unnormalized output).
     # MASKED: the block runs past the cache's last column. CAUSAL: the block may hold keys after a query's column (else
@@ -47,12 +47,12 @@ def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb,
     if MASKED:   # the keys past the cache's last column read as 0 and are not allowed
         k_ok = kc < Tk
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_row + kc[:, None] * sv_t + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_row + kc[:, None] * sv_t + d[None, :] * sv_d, mask=k_ok[:, None], other=0.0)
         valid = tl.load(valid_row + kc, mask=k_ok, other=0) != 0
         if KV_FP8: k_scale, v_scale = tl.load(ks_row + kc, mask=k_ok, other=0.0), tl.load(vs_row + kc, mask=k_ok, other=0.0)
     else:        # a whole block: plain loads, which the compiler can pipeline and vectorize
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :])
-        v = tl.load(v_row + kc[:, None] * sv_t + d[None, :])
+        v = tl.load(v_row + kc[:, None] * sv_t + d[None, :] * sv_d)   # sv_t or sv_d is 1: Triton specializes it
         valid = tl.load(valid_row + kc) != 0
         if KV_FP8: k_scale, v_scale = tl.load(ks_row + kc), tl.load(vs_row + kc)
     # FP8 codes are exact in fp16, the products' precision with FP8 keys and values (q arrives rounded to fp16): the
@@ -76,7 +76,7 @@ def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb,
     return m_new, l, acc
 
 @triton.jit
-def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, start_block, stop_block, Tk, scale,
+def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, start_block, stop_block, Tk, scale,
                   BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr):
     # the online softmax of a tile of queries over key blocks [start_block, stop_block): (max, sum, unnormalized output).
     # In column order, three kinds of block (same order, same bits): those before every query of the tile (only the
@@ -88,13 +88,13 @@ def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col,
     first_query = tl.min(tl.where(q_col >= 0, q_col, Tk), axis=0)       # the tile's earliest column (-1: a padding row)
     before_stop = tl.maximum(start_block, tl.minimum(whole_stop, first_query // BLOCK_KV))
     for kb in range(start_block, before_stop):
-        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
                               BLOCK_KV, D, KV_FP8, False, False)
     for kb in range(before_stop, whole_stop):
-        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
                               BLOCK_KV, D, KV_FP8, False, True)
     for kb in range(tl.maximum(before_stop, whole_stop), stop_block):
-        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, kb, Tk, scale, m, l, acc,
+        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
                               BLOCK_KV, D, KV_FP8, True, True)
     return m, l, acc
 
@@ -116,7 +116,7 @@ def merge_splits(M, L, ACC, m, l, acc):
 
 @triton.jit
 def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, m_ptr, l_ptr, q_col_ptr, valid_ptr, start_ptr,
-                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, so_b, so_h, so_t, s_valid,
+                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sv_d, ss_b, ss_h, so_b, so_h, so_t, s_valid,
                      sw_b, sw_h, sw_s, heads, group, Tq, Tk, scale, HEADS_AS_ROWS: tl.constexpr,
                      SPLITS_IN_PARALLEL: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_KV: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, D: tl.constexpr):
@@ -153,7 +153,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, m_ptr, l_ptr, q
         if split * SPLIT_BLOCKS <= last_block:
             start = tl.maximum(split * SPLIT_BLOCKS, first_block)
             stop = tl.minimum((split + 1) * SPLIT_BLOCKS, last_block + 1)
-            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, start, stop, Tk,
+            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, start, stop, Tk,
                                       scale, BLOCK_Q, BLOCK_KV, D, KV_FP8)
             w = b * sw_b + h_rows * sw_h + split * sw_s
             tl.store(m_ptr + w, m, mask=q_ok)
@@ -166,7 +166,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, m_ptr, l_ptr, q
         for split in range(first_block // SPLIT_BLOCKS, last_block // SPLIT_BLOCKS + 1):
             start = tl.maximum(split * SPLIT_BLOCKS, first_block)
             stop = tl.minimum((split + 1) * SPLIT_BLOCKS, last_block + 1)
-            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, q_col, start, stop, Tk,
+            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, start, stop, Tk,
                                       scale, BLOCK_Q, BLOCK_KV, D, KV_FP8)
             M, L, ACC = merge_splits(M, L, ACC, m, l, acc)
         out = ACC / L[:, None]
@@ -225,7 +225,8 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
     valid = key_valid.to(torch.int8).contiguous()
     start = (torch.zeros(b, dtype=torch.int32, device=q.device) if key_start is None
              else key_start.to(torch.int32).contiguous())
-    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if 1 in v.stride()[2:] else v.contiguous()              # token-major, or dim-major (FP8 values)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if kv_fp8:
         k_scale, v_scale = k_scale.float(), v_scale.float()
@@ -240,7 +241,7 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
                   num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
                   enable_fp_fusion=False,
                   **({"maxnreg": FP8_KV_MAX_REGISTERS} if kv_fp8 and heads_as_rows and FP8_KV_MAX_REGISTERS else {}))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_scale.stride()[:2], *out.stride()[:3], valid.stride(0))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride(), *k_scale.stride()[:2], *out.stride()[:3], valid.stride(0))
     if heads_as_rows:            # decode: the key splits in parallel, into a workspace; then merged in order
         splits = math.ceil(Tk / KEY_SPLIT)
         acc = torch.empty(b, heads, splits, D, device=q.device, dtype=torch.float32)
@@ -265,12 +266,22 @@ def _(q, k, v, q_columns, key_valid, scale, key_start=None, k_scale=None, v_scal
 # %% ../../nbs/00i_attention_kernels.ipynb #c4d2e9a1
 KV_FP8_FORMAT = "e4m3"      # keys and values in FP8: e4m3, one scale per token and head (1 x head_dim), as activations
 KV_BLOCK_T = 16             # tokens per program of the KV quantizer (x one head's d)
+KV_COLUMN_ALIGN = 16        # dim-major codes: each dimension's run of tokens padded to a multiple of 16 bytes
+
+def new_kv_codes(b: int, heads: int, T: int, D: int, device, dim_major: bool = False) -> torch.Tensor:
+    """Zeroed FP8 codes seen as (b, heads, T, D). dim_major: stored (b, heads, D, T padded to `KV_COLUMN_ALIGN`), so
+    that one dimension's tokens lie side by side: the layout of FP8 values, whose product with the probabilities
+    sums over tokens (the kernel then reads each thread's pairs of tokens in one load, not byte by byte)."""
+    if not dim_major: return torch.zeros(b, heads, T, D, dtype=fp8_dtype(KV_FP8_FORMAT), device=device)
+    padded = -(-T // KV_COLUMN_ALIGN) * KV_COLUMN_ALIGN
+    return torch.zeros(b, heads, D, padded, dtype=fp8_dtype(KV_FP8_FORMAT), device=device)[..., :T].transpose(2, 3)
 
 @triton.jit
-def quantize_kv_kernel(x_ptr, data_ptr, scale_ptr, col_ptr, heads, T, sx_b, sx_h, sx_t, sd_b, sd_h, sd_t, ss_b, ss_h,
+def quantize_kv_kernel(x_ptr, data_ptr, scale_ptr, col_ptr, heads, T, sx_b, sx_h, sx_t, sd_b, sd_h, sd_t, sd_d, ss_b, ss_h,
                        FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
     # one (row b, head h, BLOCK_T tokens) tile: each token's head vector to FP8 with its own scale (the 1x128 formula),
-    # written at the token's column of the destination (the engine's cache, or a fresh buffer in the trainer)
+    # written at the token's column of the destination (the engine's cache, or a fresh buffer in the trainer), token- or
+    # dim-major (sd_d or sd_t is 1)
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -279,7 +290,7 @@ def quantize_kv_kernel(x_ptr, data_ptr, scale_ptr, col_ptr, heads, T, sx_b, sx_h
     x = tl.load(x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     codes, scale = quantize_groups(x, FP8_MAX, TINY)
     col = tl.load(col_ptr + t, mask=ok, other=0)
-    tl.store(data_ptr + b * sd_b + h * sd_h + col[:, None] * sd_t + d[None, :], codes.to(data_ptr.dtype.element_ty),
+    tl.store(data_ptr + b * sd_b + h * sd_h + col[:, None] * sd_t + d[None, :] * sd_d, codes.to(data_ptr.dtype.element_ty),
              mask=ok[:, None])
     tl.store(scale_ptr + b * ss_b + h * ss_h + col, scale, mask=ok)
 
@@ -290,11 +301,12 @@ def quantize_kv_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_kv_into(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, columns: torch.Tensor):
     """Quantize x (b, heads, T, d) per token and head and write codes and scales at `columns` (T,) of `data`
-    (b, heads, capacity, d) float8_e4m3fn and `scale` (b, heads, capacity) fp32: the engine's cache write, and the
-    trainer's keys/values (columns 0..T-1 of fresh buffers). One kernel where Triton runs; else torch's ops, same bits."""
+    (b, heads, capacity, d) float8_e4m3fn, token- or dim-major (`new_kv_codes`), and `scale` (b, heads, capacity) fp32:
+    the engine's cache write, and the trainer's keys/values (columns 0..T-1 of fresh buffers). One kernel where Triton
+    runs; else torch's ops, same bits."""
     b, heads, T, D = x.shape
     if not (invariant_kernels_available(x.device) and next_power_of_2(D) == D and x.stride(-1) == 1
-            and data.stride(-1) == 1 and not needs_64bit_offsets(x, data)):
+            and 1 in data.stride()[2:] and not needs_64bit_offsets(x, data)):
         codes, s = quantize_kv_torch(x)
         data.view(torch.uint8).index_copy_(2, columns, codes.view(torch.uint8))   # CPU: no index_copy_ for FP8 dtypes
         scale.index_copy_(2, columns, s)
@@ -302,13 +314,14 @@ def quantize_kv_into(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, c
     block_t = min(KV_BLOCK_T, next_power_of_2(T))
     if x.numel():
         quantize_kv_kernel[(b * heads, math.ceil(T / block_t))](
-            x, data, scale, columns.to(torch.int32), heads, T, *x.stride()[:3], *data.stride()[:3], *scale.stride()[:2],
+            x, data, scale, columns.to(torch.int32), heads, T, *x.stride()[:3], *data.stride(), *scale.stride()[:2],
             FP8_MAX=fp8_max(KV_FP8_FORMAT), TINY=torch.finfo(torch.float32).tiny, BLOCK_T=block_t, D=D)
 
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    "x (b, heads, T, d) -> (codes float8_e4m3fn (b, heads, T, d), scales fp32 (b, heads, T)), by `quantize_kv_into`."
+def quantize_kv(x: torch.Tensor, dim_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (b, heads, T, d) -> (codes float8_e4m3fn (b, heads, T, d), scales fp32 (b, heads, T)), by `quantize_kv_into`;
+    the codes stored dim-major where asked (`new_kv_codes`)."""
     b, heads, T, D = x.shape
-    data = torch.empty(b, heads, T, D, dtype=fp8_dtype(KV_FP8_FORMAT), device=x.device)
+    data = new_kv_codes(b, heads, T, D, x.device, dim_major)
     scale = torch.empty(b, heads, T, dtype=torch.float32, device=x.device)
     quantize_kv_into(x.detach(), data, scale, torch.arange(T, device=x.device))
     return data, scale
@@ -331,6 +344,11 @@ class KVCodes(NamedTuple):
     k_scale: torch.Tensor
     v: torch.Tensor
     v_scale: torch.Tensor
+
+    @classmethod
+    def quantize(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCodes":
+        "The codes both sides attend over (`quantize_kv`): keys token-major, values dim-major, as the engine's cache holds them."
+        return cls(*quantize_kv(k), *quantize_kv(v, dim_major=True))
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return dequantize_kv(self.k, self.k_scale, dtype), dequantize_kv(self.v, self.v_scale, dtype)
