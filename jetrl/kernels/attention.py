@@ -27,9 +27,9 @@ KEY_SPLIT = 512         # keys per split: each split's softmax on its own, the s
 ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, so the order of its row sums
 ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
 # registers per thread of decode's attention with FP8 keys and values: unbounded, the compiler takes 168 at head_dim 128,
-# room for 3 programs per SM; at 128 it spills 32 bytes and 4 fit (sm_90, Triton 3.6: attention_resources_sm90.txt; the
-# bound's timing: attention_decode_h200.jsonl). The trainer's tiles stay unbounded (255 registers). Register allocation
-# does not change the bits
+# room for 3 programs per SM; at 128 it spills 24 bytes and 4 fit (sm_90, Triton 3.6: attention_resources_sm90.txt; the
+# bound's timing with token-major values: attention_decode_h100.jsonl, 149 us against 177 unbounded). The trainer's
+# tiles stay unbounded (202 registers with FP8, 168 with BF16). Register allocation does not change the bits
 FP8_KV_MAX_REGISTERS = 128
 # with FP8 keys and values the products are taken in fp16 on both sides: e4m3 codes convert to fp16 in one instruction
 # per two (to bf16 they go through fp32), q is rounded to fp16 once per tile (exact for |q| in [2^-17, 65504], clamped
