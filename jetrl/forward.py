@@ -63,11 +63,11 @@ class StaticKVCache:
     def allocate(cls, model: nn.Module, rows: int, capacity: int, device, dtype, kv_fp8: bool = False) -> "StaticKVCache":
         config, layers = model.config, model.model.layers
         kv_heads, head_dim = config.num_key_value_heads, layers[0].self_attn.head_dim
-        def new(dim_major: bool = False):
-            if kv_fp8: return new_kv_codes(rows, kv_heads, capacity, head_dim, device, dim_major)
+        def new(values: bool):                            # FP8 values dim-major, FP8 keys token-major
+            if kv_fp8: return new_kv_codes(rows, kv_heads, capacity, head_dim, device, dim_major=values)
             return torch.zeros(rows, kv_heads, capacity, head_dim, device=device, dtype=dtype)
         scales = lambda: [torch.ones(rows, kv_heads, capacity, device=device) for _ in layers] if kv_fp8 else []
-        return cls([new() for _ in layers], [new(dim_major=True) for _ in layers],
+        return cls([new(values=False) for _ in layers], [new(values=True) for _ in layers],
                    torch.zeros(rows, capacity, dtype=torch.bool, device=device), scales(), scales())
 
     @property
