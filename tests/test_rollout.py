@@ -431,3 +431,36 @@ def test_a_dropped_engine_frees_its_model_and_cache_at_once(tokenizer, strategy)
 def test_prefill_tokens_must_be_a_positive_whole_number(tokenizer, bad):
     with pytest.raises(ValueError, match="prefill_tokens must be a whole number of tokens >= 1"):
         RolloutEngine(Policy(make_model(tokenizer), tokenizer, "bf16"), chat_template=False, prefill_tokens=bad)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_a_cache_too_large_for_the_gpu_is_refused_before_allocation(tokenizer, kv_fp8):
+    """On a GPU whose memory left cannot hold the KV cache, `StaticKVCache.allocate` raises torch's OutOfMemoryError
+    with the cache's size, the memory left and what to change, before it allocates anything (the device's memory is
+    what torch.cuda reports: patched here, so the check runs on any machine); a cache that fits passes the check."""
+    from unittest import mock
+    from jetrl.forward import StaticKVCache, check_cache_fits, kv_cache_bytes
+    model = make_model(tokenizer)
+    need = kv_cache_bytes(2, 64, 2, 4096, 32, torch.bfloat16, kv_fp8)        # make_model: 2 layers, 2 KV heads of 32
+    left = lambda free: dict(mem_get_info=lambda device=None: (free, 80 * 2**30), memory_reserved=lambda device=None: 2**20,
+                             memory_allocated=lambda device=None: 0)
+    with mock.patch.multiple(torch.cuda, **left(need // 2)), \
+         pytest.raises(torch.OutOfMemoryError, match=r"64 rows x 4096 columns needs 0\.\d GiB.*fewer rows") as refused:
+        StaticKVCache.allocate(model, 64, 4096, "cuda", torch.bfloat16, kv_fp8=kv_fp8)
+    assert ("'jet-fp8kv'" in str(refused.value)) != kv_fp8         # the FP8 hint only for a cache not in FP8 already
+    with mock.patch.multiple(torch.cuda, **left(need - 2**20)):     # free plus what the allocator holds unused: enough
+        check_cache_fits(need, torch.device("cuda"), "64 rows x 4096 columns", kv_fp8)
+
+
+def test_an_engine_whose_cache_was_refused_generates_a_smaller_batch(tokenizer, monkeypatch):
+    "After a refused cache the engine holds none, and the next, smaller generation allocates one and completes."
+    import jetrl.forward
+    engine = RolloutEngine(Policy(make_model(tokenizer), tokenizer, "jet"), chat_template=False)
+    def refuse_many_rows(nbytes, device, shape, kv_fp8):
+        if int(shape.split()[0]) > 2: raise torch.OutOfMemoryError(f"The KV cache of {shape} needs more than is left")
+    monkeypatch.setattr(jetrl.forward, "check_cache_fits", refuse_many_rows)
+    with pytest.raises(torch.OutOfMemoryError, match="KV cache of"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2, seed=0))
+    assert engine._static is None
+    out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=0))
+    assert out.completion_ids.shape == (2, 4)
