@@ -28,7 +28,7 @@ ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, s
 ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
 # registers per thread of decode's attention with FP8 keys and values: unbounded, the compiler takes 168 at head_dim 128,
 # room for 3 programs per SM; at 128 it spills 24 bytes and 4 fit (sm_90, Triton 3.6: attention_resources_sm90.txt; the
-# bound's timing with token-major values: attention_decode_h100.jsonl, 149 us against 177 unbounded). The trainer's
+# bound's timing: attention_decode_h200.jsonl, 129 us against 139 unbounded, 344686d). The trainer's
 # tiles stay unbounded (202 registers with FP8, 168 with BF16). Register allocation does not change the bits
 FP8_KV_MAX_REGISTERS = 128
 # with FP8 keys and values the products are taken in fp16 on both sides: e4m3 codes convert to fp16 in one instruction
