@@ -48,6 +48,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     "FP8 codes as their bytes (the CPU has no indexing or copies for FP8 dtypes); other tensors as they are."
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
 
+FP32_BYTES = 4     # an FP8 cache's scales: one fp32 per token and head, for keys and for values
+
 def kv_cache_bytes(layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
                    kv_fp8: bool = False) -> int:
     """Bytes a `StaticKVCache` of this shape holds: keys and values (FP8: one byte a code, the dim-major values' columns
@@ -59,15 +61,14 @@ def kv_cache_bytes(layers: int, rows: int, kv_heads: int, capacity: int, head_di
         per_layer = 2 * rows * kv_heads * capacity * head_dim * dtype.itemsize
     return layers * per_layer + rows * capacity
 
-FP32_BYTES = 4
-
 def check_cache_fits(nbytes: int, device: torch.device, shape: str, kv_fp8: bool):
     """On a GPU: raise `torch.OutOfMemoryError`, saying what to change, when a cache of `nbytes` exceeds the memory left
     (free on the device, plus what PyTorch's allocator holds unused). Nothing is allocated before the check."""
     if device.type != "cuda": return
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if nbytes <= free: return
-    fp8_hint = "" if kv_fp8 else " or keep keys and values in FP8 (the 'jet-fp8kv' strategy: about half the bytes),"
+    fp8_hint = "" if kv_fp8 else (" or keep keys and values in FP8 (the 'jet-fp8kv' strategy, or a PrecisionSpec with kv_fp8=True: "
+                                  "about half the bytes),")
     raise torch.OutOfMemoryError(
         f"The KV cache of {shape} needs {nbytes / 2**30:.1f} GiB, and {device} has {free / 2**30:.1f} GiB left: generate "
         f"fewer rows at once (fewer prompts or samples per call) or fewer new tokens,{fp8_hint} or free what else holds "
