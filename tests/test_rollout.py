@@ -439,9 +439,10 @@ def test_a_cache_too_large_for_the_gpu_is_refused_before_allocation(tokenizer, k
     with the cache's size, the memory left and what to change, before it allocates anything (the device's memory is
     what torch.cuda reports: patched here, so the check runs on any machine); a cache that fits passes the check."""
     from unittest import mock
-    from jetrl.forward import StaticKVCache, check_cache_fits, kv_cache_bytes
+    from jetrl.forward import StaticKVCache, check_cache_fits
     model = make_model(tokenizer)
-    need = kv_cache_bytes(2, 64, 2, 4096, 32, torch.bfloat16, kv_fp8)        # make_model: 2 layers, 2 KV heads of 32
+    need = StaticKVCache.allocate(model, 64, 4096, "meta", torch.bfloat16, kv_fp8).nbytes     # counted, not allocated
+    assert need > 64 * 4096 * 2 * 2 * 32 * 2 * (1 if kv_fp8 else 2)          # keys and values: 2 layers, 2 KV heads of 32
     left = lambda free: dict(mem_get_info=lambda device=None: (free, 80 * 2**30), memory_reserved=lambda device=None: 2**20,
                              memory_allocated=lambda device=None: 0)
     with mock.patch.multiple(torch.cuda, **left(need // 2)), \
@@ -454,11 +455,13 @@ def test_a_cache_too_large_for_the_gpu_is_refused_before_allocation(tokenizer, k
 
 def test_an_engine_whose_cache_was_refused_generates_a_smaller_batch(tokenizer, monkeypatch):
     "After a refused cache the engine holds none, and the next, smaller generation allocates one and completes."
-    import jetrl.forward
+    from jetrl.forward import StaticKVCache
     engine = RolloutEngine(Policy(make_model(tokenizer), tokenizer, "jet"), chat_template=False)
-    def refuse_many_rows(nbytes, device, shape, kv_fp8):
-        if int(shape.split()[0]) > 2: raise torch.OutOfMemoryError(f"The KV cache of {shape} needs more than is left")
-    monkeypatch.setattr(jetrl.forward, "check_cache_fits", refuse_many_rows)
+    allocate = StaticKVCache.allocate.__func__
+    def refuse_many_rows(cls, model, rows, *args, **kwargs):       # as `check_cache_fits` refuses on a full GPU
+        if rows > 2: raise torch.OutOfMemoryError(f"The KV cache of {rows} rows needs more than is left")
+        return allocate(cls, model, rows, *args, **kwargs)
+    monkeypatch.setattr(StaticKVCache, "allocate", classmethod(refuse_many_rows))
     with pytest.raises(torch.OutOfMemoryError, match="KV cache of"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2, seed=0))
     assert engine._static is None
