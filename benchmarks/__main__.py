@@ -9,6 +9,7 @@ BENCHMARKS = {   # name: (module under benchmarks/, what it measures)
     "rollout": ("rollout", "rollout tokens/s of jetrl's engine against transformers.generate (CPU or GPU)"),
     "long_rollout": ("long_rollout", "long rollouts (4,096+ new tokens): decode step vs its bytes bound, engine-vs-trainer gap"),
     "attention_decode": ("attention_decode", "decode attention at the long-rollout shape per tile setting, BF16 and FP8 KV, vs its bytes bound"),
+    "decode_gemm": ("decode_gemm", "decode's FP8 GEMMs at a model's shapes: default tile vs every candidate, cuBLAS BF16/FP8, bytes bound"),
     "linear": ("linear", "a 7B-shaped MLP block forward + backward: BF16 vs jetrl's FP8 recipes vs torchao"),
     "head_logprobs": ("head_logprobs", "the head's per-token log-probs: the fused kernels against torch's ops"),
     "grad_quant": ("grad_quant", "the FP8 backward's quantizer passes at model shapes, time and bytes"),

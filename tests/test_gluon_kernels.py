@@ -77,7 +77,8 @@ def test_bad_tiles_are_refused_with_the_rule(tile, rule):
 @pytest.mark.parametrize("blocks, tile, has_bias", [(8, OverlappedTile(unroll=4, stages=6), False), (7, OverlappedTile(64, 16, 1, 2, 2), True),
                                                     (28, OverlappedTile(64, 64, 2, 4, 6), True), (1, OverlappedTile(), False),
                                                     (148, OverlappedTile(), False), (38, OverlappedTile(), True), (148, OverlappedTile(128, 64, 1, 8, 8), False),
-                                                    (38, OverlappedTile(64, 32, 2, 4, 4), False)])
+                                                    (38, OverlappedTile(64, 32, 2, 4, 4), False),
+                                                    (32, OverlappedTile(64, 128, 1, 4, 8), False), (112, OverlappedTile(64, 128, 2, 8, 8), True)])
 def test_machine_code_keeps_one_product_running(blocks, tile, has_bias):
     """In the machine code for sm_90, compiled with a real launch's alignment hints, each K block's product is four FP8
     wgmma of K = 32 over a warp group's width (the Triton kernel's instruction), and inside a chunk of `unroll` blocks

@@ -28,7 +28,7 @@ GLUON_DECODE_MIN_K_PER_N = 2    # decode GEMMs with K >= this x N take the overl
 
 class OverlappedTile(NamedTuple):
     """One program's work in the overlapped decode GEMM: `rows` x `cols` outputs (`rows` 64 or 128: one warp group per
-    64 rows; `cols` 16, 32 or 64, inside one 128-wide weight block), `col_groups` warp groups side by side over the
+    64 rows; `cols` 16, 32, 64 or 128, inside one 128-wide weight block), `col_groups` warp groups side by side over the
     columns (each one `cols / col_groups` wide: the A tile is read once for all of them), K blocks taken `unroll` at a
     time (even) with one product running while the previous is added, and `stages` K blocks of tiles loaded ahead."""
     rows: int = TILE_ROWS      # the defaults: the fastest tile measured at the 0.5B and 7B down projections
@@ -182,7 +182,7 @@ def fp8_gemm_overlapped_kernel(a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_pt
     gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
 # %% ../../nbs/00d_decode_gemm.ipynb #4e4d53c6
-OVERLAPPED_COLS = (16, 32, 64)     # tile widths: divisors of the 128-wide weight block that wgmma takes (n = 8k)
+OVERLAPPED_COLS = (16, 32, 64, 128)   # tile widths: divisors of the 128-wide weight block that wgmma takes (n = 8k)
 
 def check_overlapped_tile(tile: OverlappedTile) -> OverlappedTile:
     "`tile` if the kernel can build and run it, else a ValueError that says which rules it breaks."
