@@ -24,9 +24,20 @@ from jetrl.kernels.quantize import quantize_1x128, quantize_128x128
 from jetrl.kernels.support import graph_time_ms, same_bits, tma_loads_possible
 
 L2_FLUSH_BYTES = 256 * 2**20     # weight copies cycled per timed call: more than the L2 of an H100 / H200 (50-60 MB)
-TRITON_TILES = [(64, n, w, s, 1) for n, w, s in itertools.product((32, 64, 128), (4, 8), (3, 5))]
-GLUON_TILES = [decode_gemm.OverlappedTile(64, cols, groups, unroll, stages)
-               for cols, groups, unroll, stages in itertools.product((32, 64, 128), (1, 2), (4, 8), (4, 8, 12, 16))]
+
+
+def triton_tiles(M: int) -> list[tuple]:
+    "Candidate (BLOCK_M, BLOCK_N, warps, stages, GROUP_M) of the Triton kernel for M rows: 64-row tiles, and 128 past 64 rows."
+    heights = (64,) if M <= 64 else (64, 128)
+    return [(m, n, w, s, 1) for m, n, w, s in itertools.product(heights, (32, 64, 128), (4, 8), (3, 5))]
+
+
+def gluon_tiles(M: int) -> list:
+    "Candidate `OverlappedTile`s for M rows that the overlapped kernel can build (`check_overlapped_tile`)."
+    heights = (64,) if M <= 64 else (64, 128)
+    tiles = [decode_gemm.OverlappedTile(m, cols, groups, unroll, stages) for m, cols, groups, unroll, stages in
+             itertools.product(heights, (32, 64, 128), (1, 2), (4, 8), (4, 8, 12, 16))]
+    return list(filter(gluon_tile_fits, tiles))
 
 
 def linear_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -55,24 +66,24 @@ def time_cycled_us(call, copies: int) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks decode_gemm", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3-8b", choices=sorted(RANDOM_MODELS))
-    p.add_argument("--rows", type=int, default=64, help="the rollout's batch: rows of each decode GEMM")
+    p.add_argument("--rows", default="64", help="the rollout's batch: rows of each decode GEMM (comma-separated: one pass each)")
     p.add_argument("--linears", default=None, help="comma-separated subset of qkv,o,gate+up,down (default: all)")
     p.add_argument("--no-sweep", action="store_true", help="the default path and the baselines only")
     add_output_args(p, kernels=False)
     args = p.parse_args(argv)
-    need_cuda("decode_gemm")
-    if not 0 < args.rows <= gemm.DECODE_MAX_ROWS:
-        raise SystemExit(f"--rows must be 1-{gemm.DECODE_MAX_ROWS} (decode GEMMs), got {args.rows}")
-    device = torch.device("cuda")
+    rows = [int(r) for r in args.rows.split(",") if r.strip().isdigit()]
+    if not rows or len(rows) != len(args.rows.split(",")) or not all(0 < r <= gemm.DECODE_MAX_ROWS for r in rows):
+        raise SystemExit(f"--rows takes whole numbers 1-{gemm.DECODE_MAX_ROWS} (decode GEMMs), comma-separated: got {args.rows!r}")
     shapes = linear_shapes(args.model)
     wanted = shapes if args.linears is None else args.linears.split(",")
     unknown = [n for n in wanted if n not in shapes]
     if unknown: raise SystemExit(f"--linears: unknown {unknown}; the linears are {', '.join(shapes)}")
+    need_cuda("decode_gemm")
+    device = torch.device("cuda")
     bandwidth, bandwidth_source = hbm_bytes_per_s(device)
     g = torch.Generator(device=device).manual_seed(0)
-    for name in wanted:
+    for M, name in itertools.product(rows, wanted):
         N, K = shapes[name]
-        M = args.rows
         copies = max(2, math.ceil(L2_FLUSH_BYTES / (N * K)))
         x = torch.randn(M, K, device=device, generator=g, dtype=torch.bfloat16)
         a = quantize_1x128(x)
@@ -104,13 +115,13 @@ def main(argv=None):
                                                                gemm.CUBLAS_BLOCKWISE_LAYOUT, torch.bfloat16), copies)
         except RuntimeError: fp8_cublas_us = None
         if not args.no_sweep:
-            for tiles in TRITON_TILES:
+            for tiles in triton_tiles(M):
                 for tma in (False, True):
                     if tma and not tma_loads_possible(a.data, w_fp8[0].data): continue
                     candidate(f"triton {tiles}{' tma' if tma else ''}", lambda i, t=tiles, m=tma: gemm.launch_fp8_gemm(
                         a.data, a.scale, w_fp8[i].data, w_scale[i], None, out, t, tma=m))
             if decode_gemm.gluon_decode_possible(a.data, w_fp8[0].data, out):
-                for tile in filter(gluon_tile_fits, GLUON_TILES):
+                for tile in gluon_tiles(M):
                     candidate(f"gluon {tuple(tile)}", lambda i, t=tile: decode_gemm.launch_decode_overlapped(
                         a.data, a.scale, w_fp8[i].data, w_scale[i], None, out, t))
         ok = {k: v["us"] for k, v in timed.items() if v.get("same_bits")}
