@@ -24,3 +24,22 @@ def test_a_named_card_takes_its_data_sheet_an_unnamed_one_a_measured_copy(monkey
     monkeypatch.setattr(common, "event_time_ms", lambda fn: (fn(), 0.5)[1])       # a copy of 1 GiB in 0.5 ms
     bandwidth, source = common.hbm_bytes_per_s("cpu")
     assert bandwidth == 2 * 2**30 / 0.5e-3 and source == "measured copy (NVIDIA GH200 480GB)"
+
+
+def test_decode_gemm_benchmark_shapes_and_candidates():
+    """`decode_gemm` times the linears a decode step runs (the fused q/k/v and gate/up projections as `jet` fuses
+    them), and every candidate tile it tries is one the kernels build; bad options are refused before any GPU work."""
+    from benchmarks import decode_gemm
+    assert decode_gemm.linear_shapes("llama3-8b") == {"qkv": (6144, 4096), "o": (4096, 4096), "gate+up": (28672, 4096),
+                                                      "down": (4096, 14336)}
+    assert decode_gemm.linear_shapes("qwen2-7b") == {"qkv": (4608, 3584), "o": (3584, 3584), "gate+up": (37888, 3584),
+                                                     "down": (3584, 18944)}
+    for rows in (64, 128):
+        tiles = decode_gemm.gluon_tiles(rows)
+        assert tiles and all(decode_gemm.gluon_tile_fits(t) for t in tiles)
+        assert any(t.cols == 128 for t in tiles) and {t.rows for t in tiles} == ({64} if rows == 64 else {64, 128})
+        assert {t[0] for t in decode_gemm.triton_tiles(rows)} == ({64} if rows == 64 else {64, 128})
+    for bad, message in (("--rows=64,x", "--rows takes whole numbers"), ("--rows=300", "--rows takes whole numbers"),
+                         ("--linears=qkv,mlp", "unknown \\['mlp'\\]")):
+        with pytest.raises(SystemExit, match=message):
+            decode_gemm.main([bad])
