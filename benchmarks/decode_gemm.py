@@ -104,10 +104,11 @@ def main(argv=None):
             except Exception as e:   # a tile this GPU cannot build or run is recorded, not fatal
                 timed[label] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
         default_us = time_cycled_us(lambda i: gemm.fp8_gemm_invariant(a, w_fp8[i], torch.bfloat16, w_scale[i]), copies)
-        gluon_default = (M <= gemm.DECODE_MAX_ROWS and K >= decode_gemm.GLUON_DECODE_MIN_K_PER_N * N
-                         and decode_gemm.gluon_decode_possible(a.data, w_fp8[0].data, out))
-        default_kernel = (f"gluon {tuple(decode_gemm.OverlappedTile())}" if gluon_default
-                          else f"triton {gemm.fp8_gemm_tiles(M, N, K)}{' tma' if gemm.loads_through_tma(M, gemm.fp8_gemm_tiles(M, N, K)) else ''}")
+        gluon_tile = (decode_gemm.overlapped_tile_for(M, N, gemm.sm_count(device))
+                      if decode_gemm.gluon_decode_possible(a.data, w_fp8[0].data, out) else None)
+        triton_tiles_now = gemm.fp8_gemm_tiles(M, N, K)
+        default_kernel = (f"gluon {tuple(gluon_tile)}" if gluon_tile is not None else
+                          f"triton {triton_tiles_now}{' tma' if gemm.loads_through_tma(M, triton_tiles_now) else ''}")
         bf16_x = x.clone()
         bf16_us = time_cycled_us(lambda i: torch.mm(bf16_x, weights[i].t()), copies)
         try:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import jetrl.kernels.gemm
-from jetrl.kernels.decode_gemm import (GLUON_DECODE_MIN_K_PER_N, OverlappedTile, gluon_decode_possible, gluon_importable,
-                                       hopper_sass, launch_decode_overlapped)
+from jetrl.kernels.decode_gemm import (OverlappedTile, gluon_decode_possible, gluon_importable, hopper_sass,
+                                       launch_decode_overlapped, overlapped_tile_for)
 from jetrl.options import KernelOptions, use_kernel_options
 
 needs_gluon = pytest.mark.skipif(not gluon_importable(), reason="needs a Triton with Gluon (Hopper's TMA and wgmma)")
@@ -27,37 +27,52 @@ def _operands(M=4, K=128, N=8):
     return a, torch.ones(M, 1), w, torch.ones(1, 1), torch.empty(M, N, dtype=torch.bfloat16)
 
 
-def test_on_for_long_k_decode_and_never_on_the_cpu():
-    assert KernelOptions().gluon_decode is True and GLUON_DECODE_MIN_K_PER_N == 2
+def test_on_for_decode_and_never_on_the_cpu():
+    assert KernelOptions().gluon_decode is True
     a, a_scale, w, w_scale, out = _operands()
     assert not gluon_decode_possible(a, w, out)
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
         launch_decode_overlapped(a, a_scale, w, w_scale, None, out)
 
 
-@pytest.mark.parametrize("M, K, N, gluon_on, routed", [
-    (128, 18944, 3584, True, True), (256, 4864, 896, True, True),      # the 7B and 0.5B down projections at decode
-    (128, 2 * 3584, 3584, True, True), (128, 2 * 3584 - 128, 3584, True, False),   # K = 2N is the edge
-    (128, 3584, 37888, True, False), (128, 3584, 4608, True, False),  # gate+up, q/k/v: the Triton kernel
-    (jetrl.kernels.gemm.DECODE_MAX_ROWS + 1, 18944, 3584, True, False),     # past decode: not here
-    (128, 18944, 3584, False, False)])                                 # the switch off
-def test_routing_sends_long_k_decode_gemms_only(monkeypatch, M, K, N, gluon_on, routed):
-    """`jetrl.kernels.gemm`'s FP8 GEMM op takes the overlapped kernel for decode GEMMs (<= DECODE_MAX_ROWS rows) with
-    K >= GLUON_DECODE_MIN_K_PER_N x N where it can run, and the Triton kernel everywhere else (and where it cannot run).
-    Both launches are stubbed here (no GPU): the test records which one the op called."""
+H100_SMS = 132
+LLAMA3_8B_64_ROWS = [(64, 4096, 6144, OverlappedTile(64, 32, 1, 8, 8)), (64, 4096, 4096, OverlappedTile()),   # q/k/v, output
+                     (64, 14336, 4096, OverlappedTile()), (64, 4096, 28672, None)]                            # down, gate/up
+
+
+@pytest.mark.parametrize("M, K, N, tile", LLAMA3_8B_64_ROWS + [
+    (128, 3584, 4608, OverlappedTile(64, 128, 1, 4, 8)), (128, 3584, 3584, OverlappedTile(64, 64, 1, 8, 8)),  # Qwen2-7B, 128 rows
+    (128, 18944, 3584, OverlappedTile(64, 64, 1, 8, 8)), (128, 3584, 37888, None),
+    (256, 896, 896, OverlappedTile(64, 64, 1, 8, 8)), (256, 896, 9728, None),                                # Qwen2-0.5B, 256 rows
+    (jetrl.kernels.gemm.DECODE_MAX_ROWS + 1, 18944, 3584, None)])                                            # past decode
+def test_routing_takes_the_overlapped_kernel_where_its_grid_fits_one_wave(monkeypatch, M, K, N, tile):
+    """`jetrl.kernels.gemm`'s FP8 GEMM op takes the overlapped kernel for a decode GEMM (<= DECODE_MAX_ROWS rows) with the
+    tile `overlapped_tile_for` gives (32 columns for one row tile, 64 for several, 128 while the grid exceeds one wave
+    of the GPU's SMs), the Triton kernel where it gives none, where the switch is off and where Gluon cannot run. The
+    decode_gemm benchmark measured these choices (decode_gemm_h100.jsonl). Both launches are stubbed here (no GPU):
+    the test records which one the op called, and with which tile."""
     gemm = jetrl.kernels.gemm
     calls = []
+    monkeypatch.setattr(gemm, "sm_count", lambda device: H100_SMS)
     monkeypatch.setattr(gemm, "gluon_decode_possible", lambda a, w, out: True)
-    monkeypatch.setattr(gemm, "launch_decode_overlapped", lambda *args: calls.append("gluon") or args[5])
-    monkeypatch.setattr(gemm, "launch_fp8_gemm", lambda *args: calls.append("triton") or args[5])
+    monkeypatch.setattr(gemm, "launch_decode_overlapped", lambda *args: calls.append(("gluon", args[6])) or args[5])
+    monkeypatch.setattr(gemm, "launch_fp8_gemm", lambda *args: calls.append(("triton", None)) or args[5])
     a, a_scale, w, w_scale, _ = _operands(M, K, N)
-    with use_kernel_options(KernelOptions(gluon_decode=gluon_on)):
-        out = gemm._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
-        assert out.shape == (M, N) and calls == ["gluon" if routed else "triton"], calls
-        monkeypatch.setattr(gemm, "gluon_decode_possible", lambda a, w, out: False)   # no Hopper or no Gluon: Triton's
+    out = gemm._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
+    assert out.shape == (M, N) and calls == [("triton", None) if tile is None else ("gluon", tile)], calls
+    for options, possible in ((KernelOptions(gluon_decode=False), True), (KernelOptions(), False)):   # off; no Hopper/Gluon
+        monkeypatch.setattr(gemm, "gluon_decode_possible", lambda a, w, out: possible)
         calls.clear()
-        gemm._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
-    assert calls == ["triton"], calls
+        with use_kernel_options(options):
+            gemm._fp8_gemm_invariant_op(a, a_scale, w, w_scale, None, torch.bfloat16)
+        assert calls == [("triton", None)], calls
+
+
+def test_a_grid_past_one_wave_widens_the_tile_then_leaves_the_kernel():
+    """The wave rule itself: the same GEMM on a GPU with fewer SMs gets a wider tile, then none."""
+    assert overlapped_tile_for(64, 6144, 132) == OverlappedTile(64, 32, 1, 8, 8)     # 192 programs, 2 per SM
+    assert overlapped_tile_for(64, 6144, 90) == OverlappedTile(64, 128, 1, 4, 8)     # 192 > 180, 96 > 90 at 64 columns
+    assert overlapped_tile_for(64, 6144, 40) is None                                 # 48 programs of 128 columns > 40
 
 
 @pytest.mark.parametrize("tile, rule", [(OverlappedTile(cols=48), "cols must be"), (OverlappedTile(cols=8), "cols must be"),

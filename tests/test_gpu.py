@@ -970,7 +970,7 @@ def test_rotary_kernel_gives_torch_bits(monkeypatch):
             assert same_bits(a.grad, r.grad), ("gradient", name, dtype)
 
 
-# ---- The overlapped decode GEMM (jetrl.kernels.decode_gemm, Gluon; on by default for decode GEMMs with K >= 2N) ----
+# ---- The overlapped decode GEMM (jetrl.kernels.decode_gemm, Gluon; on by default where its grid fits one wave) ----
 # A hang here (a barrier never completing) stops the whole run: run these first on their own, under `timeout`.
 GLUON_DECODE_SHAPES = [(128, 3584, 4608), (128, 3584, 3584), (128, 3584, 37888), (128, 18944, 3584),   # 7B, fused
                        (256, 896, 1152), (256, 896, 896), (256, 896, 9728), (256, 4864, 896),          # 0.5B
@@ -985,7 +985,7 @@ def _gluon_decode_or_skip():
 @cuda
 @pytest.mark.parametrize("M, K, N", GLUON_DECODE_SHAPES)
 def test_gluon_decode_gemm_gives_the_triton_kernels_bits(M, K, N):
-    """The Triton kernel's bits: every kind of tile (64 and 128 rows, 16-64 columns, one or two column groups, chunks
+    """The Triton kernel's bits: every kind of tile (64 and 128 rows, 16-128 columns, one or two column groups, chunks
     of 2-8 blocks), with a bias, and with E5M2 activations (the default tile). A build per tile and K / 128 % unroll."""
     _gluon_decode_or_skip()
     from jetrl.kernels import quantize_1x128, launch_fp8_gemm, fp8_gemm_tiles
@@ -993,7 +993,7 @@ def test_gluon_decode_gemm_gives_the_triton_kernels_bits(M, K, N):
     torch.manual_seed(0)
     w, w_scale, _ = _fp8_and_bf16_weights(N, K)
     tiles = [None, OverlappedTile(64, 16, 1, 2, 2), OverlappedTile(64, 64, 2, 4, 6), OverlappedTile(128, 64, 1, 8, 8),
-             OverlappedTile(64, 32, 2, 4, 4), OverlappedTile(64, 64, 1, 6, 7)]
+             OverlappedTile(64, 32, 2, 4, 4), OverlappedTile(64, 64, 1, 6, 7), OverlappedTile(64, 128, 1, 4, 8)]
     cases = [("e4m3", False, tile) for tile in tiles] + [("e4m3", True, None), ("e5m2", False, None)]
     for fmt, with_bias, tile in cases:
         torch.manual_seed(1)

@@ -14,8 +14,9 @@ import functools, math
 import torch
 from ..fp8 import FP8Tensor, fp8_dtype, KERNEL_BLOCK, eager_custom_op, has_fp8_kernel, _fp8_gemm
 from ..options import kernel_options
-from .support import triton, tl, HAS_TRITON, TILE_ROWS, DECODE_MAX_ROWS, needs_64bit_offsets, tma_loads_possible, same_bits
-from .decode_gemm import GLUON_DECODE_MIN_K_PER_N, gluon_decode_possible, launch_decode_overlapped
+from .support import (triton, tl, HAS_TRITON, TILE_ROWS, DECODE_MAX_ROWS, needs_64bit_offsets, tma_loads_possible,
+                                  same_bits, sm_count)
+from .decode_gemm import gluon_decode_possible, launch_decode_overlapped, overlapped_tile_for
 TensorDescriptor = None       # Triton's host-side tensor descriptors, where it has them (`tma_loads_possible`)
 if HAS_TRITON:
     try: from triton.tools.tensor_descriptor import TensorDescriptor
@@ -88,9 +89,9 @@ def fp8_gemm_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 def loads_through_tma(M: int, tiles: tuple[int, int, int, int, int]) -> bool:
     """Whether the FP8 GEMM's default launch loads its tiles through tensor descriptors (where `tma_loads_possible`):
-    the trainer's many-row tiles and the decode tiles of 65-256 rows with strips of 32 columns or more. Up to 64 rows,
-    and 16-column strips, read as fast or faster by pointers and keep them. The bits are the same."""
-    return M > DECODE_MAX_ROWS or (M > TILE_ROWS and tiles[1] >= 32)
+    the trainer's many-row tiles and the decode tiles with strips of 32 columns or more; 16-column strips read as fast
+    by pointers and keep them. The bits are the same."""
+    return M > DECODE_MAX_ROWS or tiles[1] >= 32
 
 # %% ../../nbs/00e_fp8_gemm.ipynb #88914c1e
 def launch_fp8_gemm(a_data, a_scale, w_data, w_scale, bias, out, tiles: tuple[int, int, int, int, int],
@@ -176,10 +177,10 @@ def _fp8_gemm_invariant_op(a_data: torch.Tensor, a_scale: torch.Tensor, w_data: 
     a_data, w_data, w_scale = (t.contiguous() for t in (a_data, w_data, w_scale))   # a's scales: in their strides
     bias = None if bias is None else bias.contiguous()
     out = None
-    if kernel_options().gluon_decode and M <= DECODE_MAX_ROWS and K >= GLUON_DECODE_MIN_K_PER_N * N:
+    if kernel_options().gluon_decode and M <= DECODE_MAX_ROWS:
         out = torch.empty(M, N, device=a_data.device, dtype=out_dtype)
-        if gluon_decode_possible(a_data, w_data, out):
-            return launch_decode_overlapped(a_data, a_scale, w_data, w_scale, bias, out)
+        tile = overlapped_tile_for(M, N, sm_count(a_data.device)) if gluon_decode_possible(a_data, w_data, out) else None
+        if tile is not None: return launch_decode_overlapped(a_data, a_scale, w_data, w_scale, bias, out, tile)
     if M and N and K and cublas_may_run(a_data, w_data):
         cublas_out = cublas_where_same_bits(a_data, a_scale, w_data, w_scale, bias, out_dtype)
         if cublas_out is not None: return cublas_out

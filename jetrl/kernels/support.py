@@ -7,8 +7,8 @@ Docs: https://jetrl.github.io/jetrl/kernels_support.html.md"""
 # %% auto #0
 __all__ = ['TILE_ROWS', 'DECODE_MAX_ROWS', 'HAS_TRITON', 'INTERPRETING', 'INT32_LIMIT', 'TMA_ALIGN', 'NAN_KEEPING_REDUCE',
            'GRAPH_TIMED_CALLS', 'invariant_kernels_available', 'needs_64bit_offsets', 'next_power_of_2',
-           'empty_scales_1x128', 'tma_loads_possible', 'scale_of_amax', 'max_keeping_nan', 'amax_keeping_nan',
-           'clamp_keeping_nan', 'quantize_groups', 'backward_kernels', 'backward_kernels_active',
+           'empty_scales_1x128', 'sm_count', 'tma_loads_possible', 'scale_of_amax', 'max_keeping_nan',
+           'amax_keeping_nan', 'clamp_keeping_nan', 'quantize_groups', 'backward_kernels', 'backward_kernels_active',
            'refuse_switch_globals', 'use_option', 'same_bits', 'graph_time_ms']
 
 # %% ../../nbs/00b_kernels_support.ipynb #9bd9ab84
@@ -66,6 +66,11 @@ def _tensor_descriptors_available() -> bool:
     try: from triton.tools.tensor_descriptor import TensorDescriptor   # noqa: F401
     except ImportError: return False
     return True
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    "The streaming multiprocessors of CUDA `device` (asked once per device): how many programs one wave of a grid holds."
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
