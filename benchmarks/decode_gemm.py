@@ -2,6 +2,7 @@
 FP8 kernels, cuBLAS's BF16 and FP8 GEMMs, and the bytes bound, with a same-bits check of every candidate.
 
     python -m benchmarks decode_gemm --model llama3-8b --rows 64 --out benchmarks/results/decode_gemm_h200.jsonl
+    python -m benchmarks decode_gemm --model llama3-8b --rows 64 --no-sweep      # the default path and baselines only
 
 A decode step's linears are GEMMs of a few rows (`--rows`, the rollout's batch) by a weight: they read the weight once
 and are bound by memory. One row per linear of the model (the fused q/k/v and gate/up projections as `jet` runs them,
@@ -10,9 +11,9 @@ each candidate tile of the Triton kernel (`launch_fp8_gemm`: BLOCK_M x BLOCK_N, 
 loads) and of the Gluon overlapped kernel (`launch_decode_overlapped`: `OverlappedTile`), each with `same_bits`
 (its output equals the default's bit for bit; tiles change no bits), against the bound (the FP8 weight and its scales,
 the FP8 activations, the output, at the GPU's memory bandwidth: `hbm_bytes_per_s`) and against cuBLAS's BF16 GEMM of the
-same shape (what `bf16` runs) and its bound. Times are CUDA graph replays of calls that cycle through enough copies
-of the weight to exceed the GPU's L2 cache, as a decode step reads each layer's weights once (a GEMM repeated on one
-weight would find it in L2).
+same shape (what `bf16` runs) and its bound; then one row per row count with the layer's GEMMs summed
+(`linear: "layer"`). Times are CUDA graph replays of calls that cycle through enough copies of the weight to exceed the
+GPU's L2 cache, as a decode step reads each layer's weights once (a GEMM repeated on one weight would find it in L2).
 """
 import argparse, itertools, math
 import torch
@@ -82,6 +83,7 @@ def main(argv=None):
     device = torch.device("cuda")
     bandwidth, bandwidth_source = hbm_bytes_per_s(device)
     g = torch.Generator(device=device).manual_seed(0)
+    layers = {}                     # rows -> the per-GEMM rows of that batch, summed into one row per layer at the end
     for M, name in itertools.product(rows, wanted):
         N, K = shapes[name]
         copies = max(2, math.ceil(L2_FLUSH_BYTES / (N * K)))
@@ -127,7 +129,7 @@ def main(argv=None):
                         a.data, a.scale, w_fp8[i].data, w_scale[i], None, out, t))
         ok = {k: v["us"] for k, v in timed.items() if v.get("same_bits")}
         best = min(ok.items(), key=lambda kv: kv[1]) if ok else (None, None)
-        emit(make_row("decode_gemm", dict(
+        layers.setdefault(M, []).append(emit(make_row("decode_gemm", dict(
             model=args.model, linear=name, M=M, N=N, K=K, hbm_tb_per_s=bandwidth / 1e12, bandwidth_source=bandwidth_source,
             weight_copies=copies, default_kernel=default_kernel, default_us=default_us, bound_us=bound_us,
             default_over_bound=default_us / bound_us, best=best[0], best_us=best[1],
@@ -135,7 +137,14 @@ def main(argv=None):
             bf16_cublas_us=bf16_us, bf16_bound_us=bf16_bound_us, bf16_over_bound=bf16_us / bf16_bound_us,
             fp8_cublas_us=fp8_cublas_us, default_speedup_vs_bf16=bf16_us / default_us,
             not_same_bits=sorted(k for k, v in timed.items() if v.get("same_bits") is False),
-            candidates=timed), argv, device), args.out)
+            candidates=timed), argv, device), args.out))
+    for M, per_gemm in layers.items():   # a layer's GEMMs together: what one decode step pays per layer
+        total = {k: sum(r[k] for r in per_gemm) for k in ("default_us", "bound_us", "bf16_cublas_us")}
+        best_all = None if any(r["best_us"] is None for r in per_gemm) else sum(r["best_us"] for r in per_gemm)
+        emit(make_row("decode_gemm", dict(
+            model=args.model, linear="layer", linears=[r["linear"] for r in per_gemm], M=M, **total,
+            default_over_bound=total["default_us"] / total["bound_us"], best_us=best_all,
+            default_speedup_vs_bf16=total["bf16_cublas_us"] / total["default_us"]), argv, device), args.out)
 
 
 if __name__ == "__main__":
