@@ -14,8 +14,8 @@ import functools, math
 import torch
 from ..fp8 import FP8Tensor, fp8_dtype, KERNEL_BLOCK, eager_custom_op, has_fp8_kernel, _fp8_gemm
 from ..options import kernel_options
-from .support import (triton, tl, HAS_TRITON, TILE_ROWS, DECODE_MAX_ROWS, needs_64bit_offsets, tma_loads_possible,
-                                  same_bits, sm_count)
+from .support import triton, tl, HAS_TRITON, TILE_ROWS, DECODE_MAX_ROWS, needs_64bit_offsets, tma_loads_possible
+from .support import same_bits, sm_count
 from .decode_gemm import gluon_decode_possible, launch_decode_overlapped, overlapped_tile_for
 TensorDescriptor = None       # Triton's host-side tensor descriptors, where it has them (`tma_loads_possible`)
 if HAS_TRITON:
