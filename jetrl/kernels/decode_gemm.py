@@ -7,8 +7,8 @@ Docs: https://jetrl.github.io/jetrl/decode_gemm.html.md"""
 # %% auto #0
 __all__ = ['HOPPER', 'WARP_GROUP', 'HOPPER_SHARED_BYTES', 'GLUON_MIN_TRITON', 'FP8_DTYPES', 'OVERLAPPED_COLS', 'launches',
            'OVERLAPPED_WIDTHS', 'OverlappedTile', 'gluon_importable', 'gluon_decode_possible', 'load_block',
-           'issue_product', 'add_in_order', 'fp8_gemm_overlapped_kernel', 'check_overlapped_tile',
-           'launch_decode_overlapped', 'overlapped_shared_bytes', 'overlapped_tile_for', 'hopper_sass']
+           'issue_product', 'add_in_order', 'fp8_gemm_overlapped_kernel', 'overlapped_shared_bytes',
+           'check_overlapped_tile', 'launch_decode_overlapped', 'overlapped_tile_for', 'hopper_sass']
 
 # %% ../../nbs/00d_decode_gemm.ipynb #2f31e0f3
 from types import SimpleNamespace
@@ -183,6 +183,10 @@ def fp8_gemm_overlapped_kernel(a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_pt
 # %% ../../nbs/00d_decode_gemm.ipynb #4e4d53c6
 OVERLAPPED_COLS = (16, 32, 64, 128)   # tile widths: divisors of the 128-wide weight block that wgmma takes (n = 8k)
 
+def overlapped_shared_bytes(tile: OverlappedTile) -> int:
+    "Shared memory of one program: `stages` K blocks of its FP8 activation and weight tiles."
+    return tile.stages * (tile.rows + tile.cols) * KERNEL_BLOCK
+
 def check_overlapped_tile(tile: OverlappedTile) -> OverlappedTile:
     "`tile` if the kernel can build and run it, else a ValueError that says which rules it breaks."
     rules = [(tile.rows in (TILE_ROWS, 2 * TILE_ROWS), f"rows must be {TILE_ROWS} or {2 * TILE_ROWS} (one warp group per {TILE_ROWS})"),
@@ -191,7 +195,7 @@ def check_overlapped_tile(tile: OverlappedTile) -> OverlappedTile:
              (tile.unroll >= 2 and tile.unroll % 2 == 0, "unroll must be even (two sets of product registers alternate)"),
              (tile.stages >= max(2, tile.unroll), "stages must be at least 2 and at least unroll (the last blocks are loaded before the last chunk ends)"),
              (tile.warps <= 8, "rows x col_groups may use at most 8 warps (two warp groups)"),
-             (tile.stages * (tile.rows + tile.cols) * KERNEL_BLOCK <= HOPPER_SHARED_BYTES,
+             (overlapped_shared_bytes(tile) <= HOPPER_SHARED_BYTES,
               f"stages x (rows + cols) x {KERNEL_BLOCK} bytes of FP8 tiles must fit in {HOPPER_SHARED_BYTES // 1024} KiB of shared memory")]
     broken = [why for ok, why in rules if not ok]
     if broken: raise ValueError(f"OverlappedTile {tuple(tile)} (rows, cols, col_groups, unroll, stages): " + "; ".join(broken) + ".")
@@ -231,10 +235,7 @@ def launch_decode_overlapped(a_data, a_scale, w_data, w_scale, bias, out, tile: 
 # %% ../../nbs/00d_decode_gemm.ipynb #b8d2e3f4
 OVERLAPPED_WIDTHS = (32, 64, 128)   # the tile widths the rule tries, narrowest first
 
-def overlapped_shared_bytes(tile: OverlappedTile) -> int:
-    "Shared memory of one program: `stages` K blocks of its FP8 activation and weight tiles."
-    return tile.stages * (tile.rows + tile.cols) * KERNEL_BLOCK
-
+@functools.cache          # a pure function of three integers, asked at every decode GEMM call
 def overlapped_tile_for(M: int, N: int, sm_count: int) -> OverlappedTile | None:
     """The overlapped kernel's tile for a decode GEMM of M rows by a weight of N rows on a GPU of `sm_count` SMs, or
     None where the Triton kernel is faster: 32 columns for one 64-row tile, 64 for several, widened to 128 while the
