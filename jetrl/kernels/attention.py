@@ -127,7 +127,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, m_ptr, l_ptr, q
         b, hk = bh // kv_heads, bh % kv_heads
         r = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
         q_ok = r < group
-        q_col = tl.load(q_col_ptr + r * 0, mask=q_ok, other=-1)
+        q_col = tl.load(q_col_ptr + r * 0, mask=q_ok, other=-1).to(tl.int32)     # int32 or int64 columns
         h_rows = hk * group + r
         q_rows = b * sq_b + h_rows * sq_h
         o_rows = b * so_b + h_rows * so_h
@@ -136,7 +136,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, m_ptr, l_ptr, q
         hk = h // group
         qi = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
         q_ok = qi < Tq
-        q_col = tl.load(q_col_ptr + qi, mask=q_ok, other=-1)
+        q_col = tl.load(q_col_ptr + qi, mask=q_ok, other=-1).to(tl.int32)
         h_rows = h + qi * 0
         q_rows = b * sq_b + h * sq_h + qi * sq_t
         o_rows = b * so_b + h * so_h + qi * so_t
@@ -184,7 +184,7 @@ def combine_splits_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, q_col_ptr, start_ptr, sw
     q_ok = r < group
     h_rows = hk * group + r
     d = tl.arange(0, D)
-    q_col = tl.load(q_col_ptr + r * 0, mask=q_ok, other=-1)
+    q_col = tl.load(q_col_ptr + r * 0, mask=q_ok, other=-1).to(tl.int32)
     first_block = first_key_block(start_ptr + b, q_col, q_ok, BLOCK_Q, BLOCK_KV)
     last_block = tl.max(q_col, axis=0) // BLOCK_KV
     M = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
@@ -221,8 +221,9 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
         raise ValueError("FP8 keys and values come with both scales: k and v float8_e4m3fn, k_scale and v_scale fp32; "
                          f"got k {k.dtype}, v {v.dtype}, k_scale {'set' if k_scale is not None else None}, "
                          f"v_scale {'set' if v_scale is not None else None}.")
-    q_columns = q_columns.to(torch.int32).contiguous()
-    valid = key_valid.to(torch.int8).contiguous()
+    q_columns = q_columns.contiguous()              # int32 or int64 (the engine's): the kernels read either
+    valid = key_valid.view(torch.int8) if key_valid.dtype == torch.bool else key_valid.to(torch.int8)   # no copy
+    if valid.stride(-1) != 1: valid = valid.contiguous()
     start = (torch.zeros(b, dtype=torch.int32, device=q.device) if key_start is None
              else key_start.to(torch.int32).contiguous())
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -289,7 +290,7 @@ def quantize_kv_kernel(x_ptr, data_ptr, scale_ptr, col_ptr, heads, T, sx_b, sx_h
     d = tl.arange(0, D)
     x = tl.load(x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     codes, scale = quantize_groups(x, FP8_MAX, TINY)
-    col = tl.load(col_ptr + t, mask=ok, other=0)
+    col = tl.load(col_ptr + t, mask=ok, other=0).to(tl.int32)     # int32 or int64 columns
     tl.store(data_ptr + b * sd_b + h * sd_h + col[:, None] * sd_t + d[None, :] * sd_d, codes.to(data_ptr.dtype.element_ty),
              mask=ok[:, None])
     tl.store(scale_ptr + b * ss_b + h * ss_h + col, scale, mask=ok)
@@ -314,7 +315,7 @@ def quantize_kv_into(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, c
     block_t = min(KV_BLOCK_T, next_power_of_2(T))
     if x.numel():
         quantize_kv_kernel[(b * heads, math.ceil(T / block_t))](
-            x, data, scale, columns.to(torch.int32), heads, T, *x.stride()[:3], *data.stride(), *scale.stride()[:2],
+            x, data, scale, columns.contiguous(), heads, T, *x.stride()[:3], *data.stride(), *scale.stride()[:2],
             FP8_MAX=fp8_max(KV_FP8_FORMAT), TINY=torch.finfo(torch.float32).tiny, BLOCK_T=block_t, D=D)
 
 def quantize_kv(x: torch.Tensor, dim_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
