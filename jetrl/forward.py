@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from .linear import producer_quantizer, offer_input_fp8, dy_producer_format
 from .kernels import (attend, InvariantRMSNorm, invariant_kernels_available, silu_mul, silu_mul_quantized,
-                           rotate_half_kernel, KVCodes, new_kv_codes, quantize_kv_into)
+                           rotate_half_kernel, rotate_half_into, KVCodes, new_kv_codes, quantize_kv_into)
 
 # %% ../nbs/04a_forward.ipynb #a3025bf2
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -140,16 +140,16 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     q, k, v = (t.view(heads_shape) for t in qkv)
     if hasattr(attn, "q_norm"): q, k = attn.q_norm(q), attn.k_norm(k)                # Qwen3: per-head RMSNorm
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                 # (b, heads, T, d)
-    q, k = rotate_half_kernel(q, cos, sin), rotate_half_kernel(k, cos, sin)      # rotary embedding
-    codes = None
+    q, codes = rotate_half_kernel(q, cos, sin), None                                 # rotary embedding
+    if cache_kv is not None and not kv_fp8:              # the engine: k rotated straight into the cache, attend over it
+        keys, values = cache_kv
+        rotate_half_into(k, cos, sin, keys, columns); values.index_copy_(2, columns, v.to(values.dtype))
+        k, v = keys, values
+    else: k = rotate_half_kernel(k, cos, sin)
     if cache_kv is not None and kv_fp8:                  # the engine: codes and scales into the cache, attend over it
         keys, values, key_scales, value_scales = cache_kv
         quantize_kv_into(k, keys, key_scales, columns); quantize_kv_into(v, values, value_scales, columns)
         codes, k, v = KVCodes(keys, key_scales, values, value_scales), None, None
-    elif cache_kv is not None:
-        keys, values = cache_kv
-        keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))
-        k, v = keys, values
     elif kv_fp8:                                         # the trainer: the same quantizer over its own keys and values
         codes = KVCodes.quantize(k, v)
     out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes)

@@ -682,6 +682,30 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
     assert da.requires_grad and same_bits(da, r.grad)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 19])                          # decode's one position; a prefill pass past one tile
+def test_rotary_into_cache_columns_gives_the_rotations_bits_there_and_touches_nothing_else(dtype, T, gpu_casts):
+    """The engine's keys rotated straight into its cache: at each given column, the bits `rotate_half_kernel` gives (the
+    signed zeros included); every other column left as it was (here NaN, so a stray write or a masked-off one shows)."""
+    g = torch.Generator().manual_seed(3)
+    b, heads, d, capacity = 2, 3, 64, 40
+    x = (torch.randn(b, T, heads, d, generator=g) * 3).to(dtype).transpose(1, 2)          # the engine's (b, T, heads, d) view
+    x[0, 0, 0] = 0.0
+    angles = torch.randn(b, T, d, generator=g) * 10
+    angles[0, 0] = 2.0
+    cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+    columns = torch.randperm(capacity, generator=g)[:T]                  # any distinct columns, in any order (int64)
+    x, cos, sin, columns = x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), columns.to(DEVICE)
+    cache = torch.full((b, heads, capacity, d), float("nan"), dtype=dtype, device=DEVICE)
+    assert jetrl.kernels.attention._rotary_kernel_runs(x, cos, sin)
+    jetrl.kernels.attention.rotate_half_into(x, cos, sin, cache, columns)
+    assert same_bits(cache[:, :, columns], rotate_half_kernel(x, cos, sin))
+    others = torch.ones(capacity, dtype=torch.bool, device=DEVICE)
+    others[columns] = False
+    assert cache[:, :, others].isnan().all()
+
+
 def test_rotary_kernel_is_on_by_default_and_falls_back():
     "The rotary embedding runs the kernel by default where Triton runs; shapes the kernel does not take run torch's ops."
     assert KernelOptions().rotary_kernel is True

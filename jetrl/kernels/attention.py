@@ -9,7 +9,8 @@ __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION
            'KV_FP8_FORMAT', 'KV_BLOCK_T', 'KV_COLUMN_ALIGN', 'ROTARY_BLOCK_T', 'key_block', 'split_softmax',
            'first_key_block', 'merge_splits', 'merge_workspace', 'attention_kernel', 'attention_invariant',
            'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into', 'quantize_kv',
-           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel', 'rotate_half_kernel']
+           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel', 'rotate_half_into',
+           'rotate_half_kernel']
 
 # %% ../../nbs/00i_attention_kernels.ipynb #96dca6ef
 import math
@@ -407,14 +408,16 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_co
 ROTARY_BLOCK_T = 16        # positions per program at most (x one head's d); decode's one position gets a tile of one
 
 @triton.jit
-def rotary_embedding_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, HEADS, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t, sy_b,
-                            sy_h, sy_t, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr):
+def rotary_embedding_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, col_ptr, HEADS, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t,
+                            sy_b, sy_h, sy_t, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr,
+                            AT_COLUMNS: tl.constexpr):
     # one (row b, head h, BLOCK_T positions) tile, each product and the sum rounded to y's dtype (torch's mul, mul,
     # add). Forward:  y1 = x1 * c1 + (-x2) * s1,     y2 = x2 * c2 + x1 * s2.
     # Backward (x is dy, y is dx; autograd's dy * cos + cat(dr2, -dr1), dr = dy * sin):
     #                 y1 = x1 * c1 + x2 * s2,         y2 = x2 * c2 + (-(x1 * s1)).
     # A negated product is subtracted: (-a) * b rounds to -(a * b), and u + (-v) is u - v in IEEE arithmetic,
-    # signed zeros included (Triton's negation is 0 - x, which makes -(+0) +0, not -0)
+    # signed zeros included (Triton's negation is 0 - x, which makes -(+0) +0, not -0). AT_COLUMNS: position t's
+    # output goes to column col[t] of y (the engine's KV cache), not to position t
     bh = tl.program_id(0)
     b, h = bh // HEADS, bh % HEADS
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -434,7 +437,9 @@ def rotary_embedding_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, HEADS, T, sx_b, sx_h
     else:
         y1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
         y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    y_at = y_ptr + b * sy_b + h * sy_h + t[:, None] * sy_t + j[None, :]
+    if AT_COLUMNS: y_t = tl.load(col_ptr + t, mask=t < T, other=0).to(tl.int32)
+    else: y_t = t
+    y_at = y_ptr + b * sy_b + h * sy_h + y_t[:, None] * sy_t + j[None, :]
     tl.store(y_at, y1, mask=ok)
     tl.store(y_at + HALF, y2, mask=ok)
 
@@ -472,9 +477,9 @@ def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: 
     block_t = min(ROTARY_BLOCK_T, next_power_of_2(T))
     if x.numel():
         rotary_embedding_kernel[(B * heads, math.ceil(T / block_t))](
-            x, cos, sin, y, heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+            x, cos, sin, y, x, heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), y.stride(0), y.stride(1), y.stride(2), HALF=d // 2, BLOCK_T=block_t,
-            BACKWARD=backward, enable_fp_fusion=False)
+            BACKWARD=backward, AT_COLUMNS=False, enable_fp_fusion=False)
     return y
 
 @_rotary_op.register_fake
@@ -493,6 +498,22 @@ class _RotaryFunction(torch.autograd.Function):
         if torch.is_grad_enabled() or not _rotary_kernel_runs(dy, cos, sin):      # create_graph, or a dy it cannot take
             return _rotary_grad_torch(dy, cos, sin), None, None
         return _rotary_op(dy, cos, sin, backward=True), None, None
+
+def rotate_half_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, columns: torch.Tensor):
+    """Write the rotary embedding of x (b, heads, T, d) into `out` (b, heads, capacity, d) at `columns` (T,): the
+    engine's keys into its cache in the rotation's own pass where the kernel runs (`rotate_half_kernel`'s conditions,
+    `out` of x's dtype), else the rotation then `index_copy_`. The same bits either way; no gradient."""
+    if (torch.is_grad_enabled() and x.requires_grad) or not _rotary_kernel_runs(x, cos, sin) or out.dtype != x.dtype \
+            or out.stride(-1) != 1 or needs_64bit_offsets(out):
+        out.index_copy_(2, columns, rotate_half_kernel(x, cos, sin).to(out.dtype))
+        return
+    B, heads, T, d = x.shape
+    block_t = min(ROTARY_BLOCK_T, next_power_of_2(T))
+    if x.numel():
+        rotary_embedding_kernel[(B * heads, math.ceil(T / block_t))](
+            x, cos, sin, out, columns.contiguous(), heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+            cos.stride(1), sin.stride(0), sin.stride(1), out.stride(0), out.stride(1), out.stride(2), HALF=d // 2,
+            BLOCK_T=block_t, BACKWARD=False, AT_COLUMNS=True, enable_fp_fusion=False)
 
 def rotate_half_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of x (b, heads, T, d) with cos/sin (b, T, d): `x * cos + cat(-x2, x1) * sin`, by one
