@@ -141,17 +141,18 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     if hasattr(attn, "q_norm"): q, k = attn.q_norm(q), attn.k_norm(k)                # Qwen3: per-head RMSNorm
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                 # (b, heads, T, d)
     q, codes = rotate_half_kernel(q, cos, sin), None                                 # rotary embedding
-    if cache_kv is not None and not kv_fp8:              # the engine: k rotated straight into the cache, attend over it
+    if cache_kv is not None and not kv_fp8:              # the engine, BF16 cache: k rotated straight into it; attend over it
         keys, values = cache_kv
         rotate_half_into(k, cos, sin, keys, columns); values.index_copy_(2, columns, v.to(values.dtype))
         k, v = keys, values
-    else: k = rotate_half_kernel(k, cos, sin)
-    if cache_kv is not None and kv_fp8:                  # the engine: codes and scales into the cache, attend over it
+    elif cache_kv is not None:                           # the engine, FP8 cache: codes and scales into it; attend over it
         keys, values, key_scales, value_scales = cache_kv
-        quantize_kv_into(k, keys, key_scales, columns); quantize_kv_into(v, values, value_scales, columns)
+        quantize_kv_into(rotate_half_kernel(k, cos, sin), keys, key_scales, columns)
+        quantize_kv_into(v, values, value_scales, columns)
         codes, k, v = KVCodes(keys, key_scales, values, value_scales), None, None
-    elif kv_fp8:                                         # the trainer: the same quantizer over its own keys and values
-        codes = KVCodes.quantize(k, v)
+    else:                                                # the trainer: its own keys and values
+        k = rotate_half_kernel(k, cos, sin)
+        if kv_fp8: codes = KVCodes.quantize(k, v)        # the same quantizer as the engine's
     out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
