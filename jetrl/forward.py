@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from .linear import producer_quantizer, offer_input_fp8, dy_producer_format
 from .kernels import (attend, InvariantRMSNorm, invariant_kernels_available, silu_mul, silu_mul_quantized,
-                           rotate_half_kernel, rotate_half_into, KVCodes, new_kv_codes, quantize_kv_into)
+                           rotate_half_kernel, write_kv_cache, KVCodes, new_kv_codes)
 
 # %% ../nbs/04a_forward.ipynb #a3025bf2
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -141,15 +141,10 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     if hasattr(attn, "q_norm"): q, k = attn.q_norm(q), attn.k_norm(k)                # Qwen3: per-head RMSNorm
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                 # (b, heads, T, d)
     q, codes = rotate_half_kernel(q, cos, sin), None                                 # rotary embedding
-    if cache_kv is not None and not kv_fp8:              # the engine, BF16 cache: k rotated straight into it; attend over it
-        keys, values = cache_kv
-        rotate_half_into(k, cos, sin, keys, columns); values.index_copy_(2, columns, v.to(values.dtype))
-        k, v = keys, values
-    elif cache_kv is not None:                           # the engine, FP8 cache: codes and scales into it; attend over it
-        keys, values, key_scales, value_scales = cache_kv
-        quantize_kv_into(rotate_half_kernel(k, cos, sin), keys, key_scales, columns)
-        quantize_kv_into(v, values, value_scales, columns)
-        codes, k, v = KVCodes(keys, key_scales, values, value_scales), None, None
+    if cache_kv is not None:                             # the engine: k (rotated there) and v into the cache, attend over it
+        write_kv_cache(k, v, cos, sin, cache_kv, columns)
+        if kv_fp8: codes, k, v = KVCodes(cache_kv[0], cache_kv[2], cache_kv[1], cache_kv[3]), None, None
+        else: k, v = cache_kv
     else:                                                # the trainer: its own keys and values
         k = rotate_half_kernel(k, cos, sin)
         if kv_fp8: codes = KVCodes.quantize(k, v)        # the same quantizer as the engine's

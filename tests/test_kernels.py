@@ -631,7 +631,7 @@ def test_producers_hand_over_the_bytes_the_linears_would_make(checkpointing, as_
 
 # ---- the rotary embedding in one kernel ----
 
-from jetrl.kernels import rotate_half_kernel
+from jetrl.kernels import rotate_half_kernel, write_kv_cache, new_kv_codes, quantize_kv
 from jetrl.kernels.attention import _rotary_torch
 
 
@@ -683,27 +683,42 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("T", [1, 19])                          # decode's one position; a prefill pass past one tile
-def test_rotary_into_cache_columns_gives_the_rotations_bits_there_and_touches_nothing_else(dtype, T, gpu_casts):
-    """The engine's keys rotated straight into its cache: at each given column, the bits `rotate_half_kernel` gives (the
-    signed zeros included); every other column left as it was (here NaN, so a stray write or a masked-off one shows)."""
+def test_kv_cache_write_gives_the_separate_kernels_bits_at_its_columns_and_nothing_elsewhere(kv_fp8, T, gpu_casts):
+    """The engine's cache write in one kernel: at each given column, the keys `rotate_half_kernel` gives (signed zeros
+    included) and the values, as they are (BF16 cache) or as `quantize_kv`'s codes and scales (FP8 cache: keys
+    token-major, values dim-major); every other column left as it was (NaN here, so a stray or a missing write shows)."""
     g = torch.Generator().manual_seed(3)
     b, heads, d, capacity = 2, 3, 64, 40
-    x = (torch.randn(b, T, heads, d, generator=g) * 3).to(dtype).transpose(1, 2)          # the engine's (b, T, heads, d) view
-    x[0, 0, 0] = 0.0
+    k, v = ((torch.randn(b, T, heads, d, generator=g) * 3).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
+    k[0, 0, 0] = 0.0                                              # the engine's (b, T, heads, d) views, a row of +0
     angles = torch.randn(b, T, d, generator=g) * 10
-    angles[0, 0] = 2.0
-    cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
-    columns = torch.randperm(capacity, generator=g)[:T]                  # any distinct columns, in any order (int64)
-    x, cos, sin, columns = x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), columns.to(DEVICE)
-    cache = torch.full((b, heads, capacity, d), float("nan"), dtype=dtype, device=DEVICE)
-    assert jetrl.kernels.attention._rotary_kernel_runs(x, cos, sin)
-    jetrl.kernels.attention.rotate_half_into(x, cos, sin, cache, columns)
-    assert same_bits(cache[:, :, columns], rotate_half_kernel(x, cos, sin))
+    angles[0, 0] = 2.0                                            # cos < 0, sin > 0: -0 from torch's ops there
+    cos, sin = torch.cos(angles).to(torch.bfloat16), torch.sin(angles).to(torch.bfloat16)
+    columns = torch.randperm(capacity, generator=g)[:T]          # any distinct columns, in any order (int64)
+    k, v, cos, sin, columns = (t.to(DEVICE) for t in (k, v, cos, sin, columns))
+    def nan(codes):                                               # every code NaN (0x7F), the FP8 view kept
+        codes.view(torch.uint8).fill_(0x7F)
+        return codes
+    if kv_fp8:
+        cache = (nan(new_kv_codes(b, heads, capacity, d, DEVICE)), nan(new_kv_codes(b, heads, capacity, d, DEVICE, True)),
+                 *(torch.full((b, heads, capacity), float("nan"), device=DEVICE) for _ in range(2)))
+    else: cache = tuple(torch.full((b, heads, capacity, d), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    assert jetrl.kernels.attention._rotary_kernel_runs(k, cos, sin)
+    write_kv_cache(k, v, cos, sin, cache, columns)
+    k_rotated = rotate_half_kernel(k, cos, sin)
+    if kv_fp8:
+        (k_codes, k_scales), (v_codes, v_scales) = quantize_kv(k_rotated), quantize_kv(v)
+        wants = (k_codes, v_codes, k_scales, v_scales)
+    else: wants = (k_rotated, v)
+    as_bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    untouched = lambda t: (t.view(torch.uint8) == 0x7F).all() if t.dtype == torch.float8_e4m3fn else t.isnan().all()
     others = torch.ones(capacity, dtype=torch.bool, device=DEVICE)
     others[columns] = False
-    assert cache[:, :, others].isnan().all()
+    for written, want in zip(cache, wants, strict=True):
+        assert same_bits(as_bits(written[:, :, columns]), as_bits(want))
+        assert untouched(written[:, :, others])
 
 
 def test_rotary_kernel_is_on_by_default_and_falls_back():

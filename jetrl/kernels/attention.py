@@ -9,8 +9,8 @@ __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION
            'KV_FP8_FORMAT', 'KV_BLOCK_T', 'KV_COLUMN_ALIGN', 'ROTARY_BLOCK_T', 'key_block', 'split_softmax',
            'first_key_block', 'merge_splits', 'merge_workspace', 'attention_kernel', 'attention_invariant',
            'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into', 'quantize_kv',
-           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel', 'rotate_half_into',
-           'rotate_half_kernel']
+           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel', 'rotate_half_kernel',
+           'write_kv_kernel', 'write_kv_cache']
 
 # %% ../../nbs/00i_attention_kernels.ipynb #96dca6ef
 import math
@@ -408,16 +408,14 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_co
 ROTARY_BLOCK_T = 16        # positions per program at most (x one head's d); decode's one position gets a tile of one
 
 @triton.jit
-def rotary_embedding_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, col_ptr, HEADS, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t,
-                            sy_b, sy_h, sy_t, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr,
-                            AT_COLUMNS: tl.constexpr):
+def rotary_embedding_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, HEADS, T, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t, sy_b,
+                            sy_h, sy_t, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr):
     # one (row b, head h, BLOCK_T positions) tile, each product and the sum rounded to y's dtype (torch's mul, mul,
     # add). Forward:  y1 = x1 * c1 + (-x2) * s1,     y2 = x2 * c2 + x1 * s2.
     # Backward (x is dy, y is dx; autograd's dy * cos + cat(dr2, -dr1), dr = dy * sin):
     #                 y1 = x1 * c1 + x2 * s2,         y2 = x2 * c2 + (-(x1 * s1)).
     # A negated product is subtracted: (-a) * b rounds to -(a * b), and u + (-v) is u - v in IEEE arithmetic,
-    # signed zeros included (Triton's negation is 0 - x, which makes -(+0) +0, not -0). AT_COLUMNS: position t's
-    # output goes to column col[t] of y (the engine's KV cache), not to position t
+    # signed zeros included (Triton's negation is 0 - x, which makes -(+0) +0, not -0)
     bh = tl.program_id(0)
     b, h = bh // HEADS, bh % HEADS
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -437,9 +435,7 @@ def rotary_embedding_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, col_ptr, HEADS, T, s
     else:
         y1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
         y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    if AT_COLUMNS: y_t = tl.load(col_ptr + t, mask=t < T, other=0).to(tl.int32)
-    else: y_t = t
-    y_at = y_ptr + b * sy_b + h * sy_h + y_t[:, None] * sy_t + j[None, :]
+    y_at = y_ptr + b * sy_b + h * sy_h + t[:, None] * sy_t + j[None, :]
     tl.store(y_at, y1, mask=ok)
     tl.store(y_at + HALF, y2, mask=ok)
 
@@ -477,9 +473,9 @@ def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: 
     block_t = min(ROTARY_BLOCK_T, next_power_of_2(T))
     if x.numel():
         rotary_embedding_kernel[(B * heads, math.ceil(T / block_t))](
-            x, cos, sin, y, x, heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+            x, cos, sin, y, heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), y.stride(0), y.stride(1), y.stride(2), HALF=d // 2, BLOCK_T=block_t,
-            BACKWARD=backward, AT_COLUMNS=False, enable_fp_fusion=False)
+            BACKWARD=backward, enable_fp_fusion=False)
     return y
 
 @_rotary_op.register_fake
@@ -499,22 +495,6 @@ class _RotaryFunction(torch.autograd.Function):
             return _rotary_grad_torch(dy, cos, sin), None, None
         return _rotary_op(dy, cos, sin, backward=True), None, None
 
-def rotate_half_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, columns: torch.Tensor):
-    """Write the rotary embedding of x (b, heads, T, d) into `out` (b, heads, capacity, d) at `columns` (T,): the
-    engine's keys into its cache in the rotation's own pass where the kernel runs (`rotate_half_kernel`'s conditions,
-    `out` of x's dtype), else the rotation then `index_copy_`. The same bits either way; no gradient."""
-    if (torch.is_grad_enabled() and x.requires_grad) or not _rotary_kernel_runs(x, cos, sin) or out.dtype != x.dtype \
-            or out.stride(-1) != 1 or needs_64bit_offsets(out):
-        out.index_copy_(2, columns, rotate_half_kernel(x, cos, sin).to(out.dtype))
-        return
-    B, heads, T, d = x.shape
-    block_t = min(ROTARY_BLOCK_T, next_power_of_2(T))
-    if x.numel():
-        rotary_embedding_kernel[(B * heads, math.ceil(T / block_t))](
-            x, cos, sin, out, columns.contiguous(), heads, T, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
-            cos.stride(1), sin.stride(0), sin.stride(1), out.stride(0), out.stride(1), out.stride(2), HALF=d // 2,
-            BLOCK_T=block_t, BACKWARD=False, AT_COLUMNS=True, enable_fp_fusion=False)
-
 def rotate_half_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of x (b, heads, T, d) with cos/sin (b, T, d): `x * cos + cat(-x2, x1) * sin`, by one
     kernel where `KernelOptions.rotary_kernel` is on and it can run (Triton, d / 2 a power of two, unit last strides,
@@ -522,3 +502,72 @@ def rotate_half_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     if not _rotary_kernel_runs(x, cos, sin): return _rotary_torch(x, cos, sin)
     if torch.is_grad_enabled() and x.requires_grad: return _RotaryFunction.apply(x, cos, sin)
     return _rotary_op(x, cos, sin)
+
+# %% ../../nbs/00i_attention_kernels.ipynb #46d81bae
+@triton.jit
+def write_kv_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, col_ptr, keys_ptr, values_ptr, k_scale_ptr, v_scale_ptr, heads, T,
+                    sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_t, ss_b, ss_t, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
+                    svc_d, sks_b, sks_h, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+                    BLOCK_T: tl.constexpr, D: tl.constexpr):
+    # one (row b, head h, BLOCK_T tokens) tile of the keys (axis 2: 0) or the values (1), written at the tokens' cache
+    # columns, as they are or (KV_FP8) as codes and one scale per token. The keys are rotated first, position d with
+    # its partner d +- D/2: y = x * cos - partner * sin in the first half, x * cos + partner * sin in the second, each
+    # product and the sum rounded to k's dtype (the rotary kernel's y1 and y2, the same operations)
+    HALF: tl.constexpr = D // 2
+    bh = tl.program_id(0)
+    b, h = bh // heads, bh % heads
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < T
+    d = tl.arange(0, D)
+    col = tl.load(col_ptr + t, mask=ok, other=0).to(tl.int32)          # int32 or int64 columns
+    dt = k_ptr.dtype.element_ty
+    if tl.program_id(2) == 0:
+        k_at = k_ptr + b * sk_b + h * sk_h + t[:, None] * sk_t
+        x = tl.load(k_at + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        partner = tl.load(k_at + ((d + HALF) % D)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + b * sc_b + t[:, None] * sc_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + b * ss_b + t[:, None] * ss_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        a, p = (x * c).to(dt).to(tl.float32), (partner * s).to(dt).to(tl.float32)
+        y = tl.where((d < HALF)[None, :], a - p, a + p).to(dt)
+        dst = keys_ptr + b * skc_b + h * skc_h + col[:, None] * skc_t + d[None, :]
+        scale_at = k_scale_ptr + b * sks_b + h * sks_h + col
+    else:
+        y = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0)
+        dst = values_ptr + b * svc_b + h * svc_h + col[:, None] * svc_t + d[None, :] * svc_d   # token- or dim-major
+        scale_at = v_scale_ptr + b * sks_b + h * sks_h + col
+    if KV_FP8:
+        codes, scale = quantize_groups(y.to(tl.float32), FP8_MAX, TINY)
+        tl.store(dst, codes.to(keys_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(scale_at, scale, mask=ok)
+    else:
+        tl.store(dst, y.to(keys_ptr.dtype.element_ty), mask=ok[:, None])
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_kv: tuple,
+                   columns: torch.Tensor):
+    """The engine's step: keys k, rotated here by cos/sin (b, T, d), and values v (b, kv_heads, T, d) into its cache at
+    `columns` (T,). `cache_kv`: (keys, values) of k's dtype (b, kv_heads, capacity, d), or (keys, values, key_scales,
+    value_scales): FP8 codes (`new_kv_codes`, values token- or dim-major) and fp32 scales (b, kv_heads, capacity). One
+    kernel where the rotary kernel can run on k; else `rotate_half_kernel`, then `index_copy_` or `quantize_kv_into`
+    for each. The same bits either way."""
+    kv_fp8 = len(cache_kv) == 4
+    keys, values = cache_kv[:2]
+    if kv_fp8 and not keys.dtype == values.dtype == fp8_dtype(KV_FP8_FORMAT):
+        raise ValueError(f"an FP8 cache (keys, values, key_scales, value_scales) holds {fp8_dtype(KV_FP8_FORMAT)} codes "
+                         f"(`new_kv_codes`); got keys {keys.dtype}, values {values.dtype}.")
+    k_scale, v_scale = cache_kv[2:] if kv_fp8 else (cos, cos)           # (no scales without FP8: not read)
+    B, heads, T, D = k.shape
+    if not (_rotary_kernel_runs(k, cos, sin) and v.dtype == k.dtype and v.stride(-1) == 1 and keys.stride(-1) == 1
+            and 1 in values.stride()[2:] and (kv_fp8 or keys.dtype == values.dtype == k.dtype)
+            and k_scale.stride() == v_scale.stride() and next_power_of_2(D) == D
+            and not needs_64bit_offsets(k, v, keys, values, k_scale)):
+        k = rotate_half_kernel(k, cos, sin)
+        if kv_fp8: quantize_kv_into(k, keys, k_scale, columns); quantize_kv_into(v, values, v_scale, columns)
+        else: keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))
+        return
+    block_t = min(KV_BLOCK_T, next_power_of_2(T))
+    if k.numel():
+        write_kv_kernel[(B * heads, math.ceil(T / block_t), 2)](
+            k, v, cos, sin, columns.contiguous(), keys, values, k_scale, v_scale, heads, T, *k.stride()[:3],
+            *v.stride()[:3], cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *keys.stride()[:3],
+            *values.stride(), *k_scale.stride()[:2], KV_FP8=kv_fp8, FP8_MAX=fp8_max(KV_FP8_FORMAT),
+            TINY=torch.finfo(torch.float32).tiny, BLOCK_T=block_t, D=D, enable_fp_fusion=False)
