@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import jetrl.kernels.attention as attention
 from benchmarks.common import add_output_args, emit, hbm_bytes_per_s, make_row, need_cuda
-from jetrl.forward import first_valid_column
+from jetrl.forward import first_valid_column, valid_run_stop
 from jetrl.kernels.support import graph_time_ms
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -48,12 +48,14 @@ def decode_equals_trainer(device) -> bool:
     valid = torch.ones(4, T, dtype=torch.bool, device=device)
     for row, pads in enumerate([0, 37, attention.KEY_SPLIT + 5, 900]): valid[row, :pads] = False
     start, columns = first_valid_column(valid), torch.arange(T, device=device)
+    stop = valid_run_stop(valid, start)
     codes = attention.KVCodes.quantize(k, v)
     checked = sorted({*range(0, T, 97), T - 1, *(s * attention.KEY_SPLIT + d for s in (1, 2) for d in (-1, 0))})
     for kk, vv, cc in ((k, v, None), (None, None, codes), (None, None, codes._replace(v=codes.v.contiguous()))):
         trainer = attention.attend(q, kk, vv, columns, valid, HEAD_DIM ** -0.5, True, start, cc)
         for c in checked:
-            decode = attention.attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, HEAD_DIM ** -0.5, True, start, cc)
+            decode = attention.attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, HEAD_DIM ** -0.5, True, start, cc,
+                                      stop)
             if not torch.equal(decode, trainer[:, :, c:c + 1]): return False
     return True
 
@@ -78,6 +80,7 @@ def main(argv=None):
     for r, n in enumerate(lengths.tolist()): valid[r, longest - n:column + 1] = True
     valid = valid.to(device)
     start, q_column = first_valid_column(valid), torch.tensor([column], device=device)
+    stop = valid_run_stop(valid, start)                             # as the engine's step passes them
     keys = int(valid.sum())                                         # written keys, every row
     q = torch.randn(args.rows, HEADS, 1, HEAD_DIM, generator=g).to(device, torch.bfloat16)
     k, v = (torch.randn(args.rows, KV_HEADS, args.capacity, HEAD_DIM, generator=g).to(device, torch.bfloat16) for _ in range(2))
@@ -107,7 +110,7 @@ def main(argv=None):
     try:
         for tiles in args.tiles:
             for n, value in tiles.items(): setattr(attention, n, value)
-            t = {kv: 1e3 * graph_time_ms(lambda: attention.attend(q, kk, vv, q_column, valid, scale, True, start, cc))
+            t = {kv: 1e3 * graph_time_ms(lambda: attention.attend(q, kk, vv, q_column, valid, scale, True, start, cc, stop))
                  for kv, kk, vv, cc in (("bf16", k, v, None), ("fp8", None, None, codes),
                                         ("fp8_values_token_major", None, None, token_major))}
             emit(make_row("attention_decode", shape | dict(

@@ -7,10 +7,10 @@ Docs: https://jetrl.github.io/jetrl/attention_kernels.html.md"""
 # %% auto #0
 __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION_STAGES', 'DECODE_MAX_REGISTERS', 'FP16_MAX',
            'KV_FP8_FORMAT', 'KV_BLOCK_T', 'KV_COLUMN_ALIGN', 'ROTARY_BLOCK_T', 'key_block', 'split_softmax',
-           'first_key_block', 'merge_splits', 'merge_workspace', 'attention_kernel', 'attention_invariant',
-           'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into', 'quantize_kv',
-           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel', 'rotate_half_kernel',
-           'write_kv_kernel', 'write_kv_cache']
+           'row_scalar', 'first_key_block', 'merge_splits', 'merge_workspace', 'attention_kernel',
+           'attention_invariant', 'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into',
+           'quantize_kv', 'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel',
+           'rotate_half_kernel', 'write_kv_kernel', 'write_kv_cache']
 
 # %% ../../nbs/00i_attention_kernels.ipynb #96dca6ef
 import math
@@ -39,10 +39,12 @@ FP16_MAX = tl.constexpr(torch.finfo(torch.float16).max) if HAS_TRITON else torch
 
 @triton.jit
 def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
-              BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+              BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              VALIDITY: tl.constexpr):
     # one step of the online softmax: the tile's queries over key block kb, folded into (max, sum, unnormalized output).
     # MASKED: the block runs past the cache's last column. CAUSAL: the block may hold keys after a query's column (else
-    # every key precedes every query of the tile, and only the keys' validity rules: the same keys allowed, fewer ops)
+    # every key precedes every query of the tile, and only the keys' validity rules: the same keys allowed, fewer ops).
+    # VALIDITY: read the keys' validity (else the block lies inside the row's run of valid keys: every key allowed)
     d = tl.arange(0, D)
     kc = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
     if MASKED:   # the keys past the cache's last column read as 0 and are not allowed
@@ -54,7 +56,7 @@ def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_co
     else:        # a whole block: plain loads, which the compiler can pipeline and vectorize
         k = tl.load(k_row + kc[:, None] * sk_t + d[None, :])
         v = tl.load(v_row + kc[:, None] * sv_t + d[None, :] * sv_d)   # sv_t or sv_d is 1: Triton specializes it
-        valid = tl.load(valid_row + kc) != 0
+        if VALIDITY: valid = tl.load(valid_row + kc) != 0
         if KV_FP8: k_scale, v_scale = tl.load(ks_row + kc), tl.load(vs_row + kc)
     # FP8 codes are exact in fp16, the products' precision with FP8 keys and values (q arrives rounded to fp16): the
     # products take the codes (the keys transposed first, then converted, one instruction per two codes), and each
@@ -66,11 +68,12 @@ def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_co
     if KV_FP8: s = s * (k_scale * scale)[None, :]
     else: s = s * scale
     if CAUSAL: allowed = ((kc[None, :] <= q_col[:, None]) & valid[None, :]) | (kc[None, :] == q_col[:, None])
-    else: allowed = valid[None, :]      # (a tile's padding rows, column -1, then see keys: their outputs are not stored)
-    s = tl.where(allowed, s, float("-inf"))
+    elif VALIDITY: allowed = valid[None, :]      # (a tile's padding rows, column -1, then see keys: not stored)
+    if CAUSAL or VALIDITY: s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-    p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+    if CAUSAL or VALIDITY: p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+    else: p = tl.exp(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     if KV_FP8: p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
@@ -78,32 +81,52 @@ def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_co
 
 @triton.jit
 def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, start_block, stop_block, Tk, scale,
-                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr):
+                  solid_lo, solid_hi, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, D: tl.constexpr,
+                  KV_FP8: tl.constexpr, SOLID: tl.constexpr):
     # the online softmax of a tile of queries over key blocks [start_block, stop_block): (max, sum, unnormalized output).
     # In column order, three kinds of block (same order, same bits): those before every query of the tile (only the
-    # keys' validity masks them), the other blocks wholly inside the cache, and the one that runs past its end, if any
+    # keys' validity masks them; with SOLID, decode's, not even that in the blocks [solid_lo, solid_hi), wholly inside
+    # the row's run of valid keys), the other blocks wholly inside the cache, and the one that runs past its end, if any.
+    # The trainer's tiles keep one loop for the first kind: the same bits, fewer registers
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
     acc = tl.zeros((BLOCK_Q, D), tl.float32)
     whole_stop = tl.minimum(stop_block, Tk // BLOCK_KV)
     first_query = tl.min(tl.where(q_col >= 0, q_col, Tk), axis=0)       # the tile's earliest column (-1: a padding row)
     before_stop = tl.maximum(start_block, tl.minimum(whole_stop, first_query // BLOCK_KV))
-    for kb in range(start_block, before_stop):
-        m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
-                              BLOCK_KV, D, KV_FP8, False, False)
+    if SOLID:
+        solid_start = tl.minimum(tl.maximum(start_block, solid_lo), before_stop)
+        solid_stop = tl.maximum(solid_start, tl.minimum(before_stop, solid_hi))
+        for kb in range(start_block, solid_start):
+            m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l,
+                                  acc, BLOCK_KV, D, KV_FP8, False, False, True)
+        for kb in range(solid_start, solid_stop):
+            m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l,
+                                  acc, BLOCK_KV, D, KV_FP8, False, False, False)
+        for kb in range(solid_stop, before_stop):
+            m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l,
+                                  acc, BLOCK_KV, D, KV_FP8, False, False, True)
+    else:
+        for kb in range(start_block, before_stop):
+            m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l,
+                                  acc, BLOCK_KV, D, KV_FP8, False, False, True)
     for kb in range(before_stop, whole_stop):
         m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
-                              BLOCK_KV, D, KV_FP8, False, True)
+                              BLOCK_KV, D, KV_FP8, False, True, True)
     for kb in range(tl.maximum(before_stop, whole_stop), stop_block):
         m, l, acc = key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, kb, Tk, scale, m, l, acc,
-                              BLOCK_KV, D, KV_FP8, True, True)
+                              BLOCK_KV, D, KV_FP8, True, True, True)
     return m, l, acc
 
 @triton.jit
-def first_key_block(start_at, q_col, q_ok, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+def row_scalar(at, BLOCK_Q: tl.constexpr):
+    # one int32 of a row (its first valid column, the end of its run of valid keys), read as a tile of one address:
+    # Triton's interpreter gives a scalar load one dimension
+    return tl.min(tl.load(at + tl.zeros((BLOCK_Q,), tl.int32)), axis=0)
+
+@triton.jit
+def first_key_block(start, q_col, q_ok, BLOCK_KV: tl.constexpr):
     # the first key block a tile needs: its row's first valid column's, or a padding query's own column's if earlier
-    # (the row's start read as a tile of one address: Triton's interpreter gives a scalar load one dimension)
-    start = tl.min(tl.load(start_at + tl.zeros((BLOCK_Q,), tl.int32)), axis=0)
     return tl.minimum(start, tl.min(tl.where(q_ok, q_col, start), axis=0)) // BLOCK_KV
 
 @triton.jit
@@ -134,7 +157,7 @@ def merge_workspace(acc_ptr, m_ptr, l_ptr, w_row, first_split, last_split, sw_s,
 
 @triton.jit
 def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, done_ptr, q_col_ptr, valid_ptr,
-                     start_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sv_d, ss_b, ss_h, so_b, so_h, so_t,
+                     start_ptr, stop_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sv_d, ss_b, ss_h, so_b, so_h, so_t,
                      s_valid, sw_b, sw_h, sw_s, heads, group, Tq, Tk, scale, HEADS_AS_ROWS: tl.constexpr,
                      SPLITS_IN_PARALLEL: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_KV: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, D: tl.constexpr):
@@ -163,17 +186,20 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, acc_ptr, m_ptr,
     k_row, v_row = k_ptr + b * sk_b + hk * sk_h, v_ptr + b * sv_b + hk * sv_h
     ks_row, vs_row = ks_ptr + b * ss_b + hk * ss_h, vs_ptr + b * ss_b + hk * ss_h
     valid_row = valid_ptr + b * s_valid
-    # blocks before the row's first key hold only padding, seen by no query but a padding one (its own column)
-    first_block = first_key_block(start_ptr + b, q_col, q_ok, BLOCK_Q, BLOCK_KV)
+    # blocks before the row's first key hold only padding, seen by no query but a padding one (its own column); the
+    # blocks wholly inside [start, stop), the row's first run of valid keys, need no validity mask
+    start, stop = row_scalar(start_ptr + b, BLOCK_Q), row_scalar(stop_ptr + b, BLOCK_Q)
+    first_block = first_key_block(start, q_col, q_ok, BLOCK_KV)
+    solid_lo, solid_hi = tl.cdiv(start, BLOCK_KV), stop // BLOCK_KV
     last_block = tl.max(q_col, axis=0) // BLOCK_KV
     first_split, last_split = first_block // SPLIT_BLOCKS, last_block // SPLIT_BLOCKS
     if SPLITS_IN_PARALLEL:   # decode: this program's split alone, its partial to the workspace; the last to end merges
         split = tl.program_id(2)
         if (split >= first_split) & (split <= last_split):
-            start = tl.maximum(split * SPLIT_BLOCKS, first_block)
-            stop = tl.minimum((split + 1) * SPLIT_BLOCKS, last_block + 1)
-            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, start, stop, Tk,
-                                      scale, BLOCK_Q, BLOCK_KV, D, KV_FP8)
+            lo = tl.maximum(split * SPLIT_BLOCKS, first_block)
+            hi = tl.minimum((split + 1) * SPLIT_BLOCKS, last_block + 1)
+            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, lo, hi, Tk,
+                                      scale, solid_lo, solid_hi, BLOCK_Q, BLOCK_KV, D, KV_FP8, HEADS_AS_ROWS)
             w_row = b * sw_b + h_rows * sw_h
             tl.store(m_ptr + w_row + split * sw_s, m, mask=q_ok)
             tl.store(l_ptr + w_row + split * sw_s, l, mask=q_ok)
@@ -191,10 +217,10 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, acc_ptr, m_ptr,
         L = tl.zeros((BLOCK_Q,), tl.float32)
         ACC = tl.zeros((BLOCK_Q, D), tl.float32)
         for split in range(first_split, last_split + 1):
-            start = tl.maximum(split * SPLIT_BLOCKS, first_block)
-            stop = tl.minimum((split + 1) * SPLIT_BLOCKS, last_block + 1)
-            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, start, stop, Tk,
-                                      scale, BLOCK_Q, BLOCK_KV, D, KV_FP8)
+            lo = tl.maximum(split * SPLIT_BLOCKS, first_block)
+            hi = tl.minimum((split + 1) * SPLIT_BLOCKS, last_block + 1)
+            m, l, acc = split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, lo, hi, Tk,
+                                      scale, solid_lo, solid_hi, BLOCK_Q, BLOCK_KV, D, KV_FP8, HEADS_AS_ROWS)
             M, L, ACC = merge_splits(M, L, ACC, m, l, acc)
         out = ACC / L[:, None]
         tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
@@ -204,11 +230,14 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, acc_ptr, m_ptr,
 @eager_custom_op("jetrl::attention_invariant", mutates_args=())
 def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_columns: torch.Tensor,
                         key_valid: torch.Tensor, scale: float, key_start: torch.Tensor | None = None,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        key_stop: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention with key padding, the same bits for a query whatever other queries run beside it.
     q (b, heads, Tq, d), k and v (b, kv_heads, Tk, d), q_columns (Tq,): the key column of each query;
     key_valid (b, Tk) bool. A query at column c sees the valid keys at columns <= c (and always its own).
-    key_start (b,): each row's first valid column, or None (0). With k_scale and v_scale (b, kv_heads, Tk) fp32, k and v
+    key_start (b,): each row's first valid column, or None (0); key_stop (b,): the first invalid column at or after it
+    (the key blocks wholly inside [key_start, key_stop) skip the validity mask: the same keys, fewer operations), or
+    None (every block reads it). With k_scale and v_scale (b, kv_heads, Tk) fp32, k and v
     are FP8 codes (float8_e4m3fn) and each key/value is its codes times its scale: the products take the codes and q
     in fp16 (the codes exact; q rounded once, clamped to fp16's range), and the scales multiply their columns in fp32."""
     b, heads, Tq, D = q.shape
@@ -226,6 +255,7 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
     if valid.stride(-1) != 1: valid = valid.contiguous()
     start = (torch.zeros(b, dtype=torch.int32, device=q.device) if key_start is None
              else key_start.to(torch.int32).contiguous())
+    stop = start if key_stop is None else key_stop.to(torch.int32).contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if 1 in v.stride()[2:] else v.contiguous()              # token-major, or dim-major (FP8 values)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -249,16 +279,17 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_col
         m, l = acc.new_empty(b, heads, splits), acc.new_empty(b, heads, splits)
         done = torch.zeros(b * kv_heads * tiles, device=q.device, dtype=torch.int32)   # finished splits per tile
         attention_kernel[(b * kv_heads, tiles, splits)](
-            q, k, v, k_scale, v_scale, out, acc, m, l, done, q_columns, valid, start, *strides, *m.stride(), heads,
+            q, k, v, k_scale, v_scale, out, acc, m, l, done, q_columns, valid, start, stop, *strides, *m.stride(), heads,
             group, Tq, Tk, scale, SPLITS_IN_PARALLEL=True, **common)
     else:
         attention_kernel[(b * heads, tiles, 1)](
-            q, k, v, k_scale, v_scale, out, out, valid, valid, valid, q_columns, valid, start, *strides, 0, 0, 0, heads,
+            q, k, v, k_scale, v_scale, out, out, valid, valid, valid, q_columns, valid, start, stop, *strides, 0, 0, 0, heads,
             group, Tq, Tk, scale, SPLITS_IN_PARALLEL=False, **common)
     return out
 
 @attention_invariant.register_fake
-def _(q, k, v, q_columns, key_valid, scale, key_start=None, k_scale=None, v_scale=None): return torch.empty_like(q)
+def _(q, k, v, q_columns, key_valid, scale, key_start=None, k_scale=None, v_scale=None, key_stop=None):
+    return torch.empty_like(q)
 
 
 # %% ../../nbs/00i_attention_kernels.ipynb #c4d2e9a1
@@ -359,12 +390,12 @@ class _AttentionFunction(torch.autograd.Function):
     """Forward by the query-invariant kernel; backward through SDPA on the same mask and the same keys and values
     (FP8 ones dequantized), recomputed. With FP8 keys and values, k and v take their gradient straight through."""
     @staticmethod
-    def forward(ctx, q, k, v, q_columns, key_valid, scale, key_start, codes):
+    def forward(ctx, q, k, v, q_columns, key_valid, scale, key_start, codes, key_stop):
         kv = (k, v) if codes is None else (codes.k, codes.v)
         scales = (None, None) if codes is None else (codes.k_scale, codes.v_scale)
         ctx.save_for_backward(q, *kv, *(s for s in scales if s is not None), q_columns, key_valid)
         ctx.scale, ctx.fp8 = scale, codes is not None
-        return attention_invariant(q, *kv, q_columns, key_valid, scale, key_start, *scales)
+        return attention_invariant(q, *kv, q_columns, key_valid, scale, key_start, *scales, key_stop)
 
     @staticmethod
     def backward(ctx, d_out):
@@ -376,7 +407,7 @@ class _AttentionFunction(torch.autograd.Function):
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
             dq, dk, dv = torch.autograd.grad(_sdpa(q_, k_, v_, q_columns, key_valid, ctx.scale), (q_, k_, v_), d_out)
         needs = ctx.needs_input_grad
-        return dq, dk if needs[1] else None, dv if needs[2] else None, None, None, None, None, None
+        return dq, dk if needs[1] else None, dv if needs[2] else None, None, None, None, None, None, None
 
 class _StraightThrough(torch.autograd.Function):
     "The quantized values forward, the gradient to the high-precision ones unchanged (as every FP8 activation's)."
@@ -388,14 +419,16 @@ class _StraightThrough(torch.autograd.Function):
 
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_columns: torch.Tensor,
            key_valid: torch.Tensor, scale: float, invariant: bool = False, key_start: torch.Tensor | None = None,
-           codes: KVCodes | None = None) -> torch.Tensor:
+           codes: KVCodes | None = None, key_stop: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q (b, heads, Tq, d) over k, v (b, kv_heads, Tk, d): `causal_key_mask` rules which keys a query sees.
     invariant: the query-invariant kernel (a query's bits do not depend on how many queries run with it), where it can
-    run; else PyTorch's SDPA. key_start (b,): each row's first valid column (the kernel skips the padding before it).
+    run; else PyTorch's SDPA. key_start (b,): each row's first valid column (the kernel skips the padding before it);
+    key_stop (b,): the first invalid column at or after it (`first_valid_column`, `valid_run_stop`: the kernel reads no
+    validity inside the run).
     codes: the attention reads these FP8 keys and values instead (k and v, where given, get the gradient straight
     through: the trainer's; the engine passes its cache's codes alone)."""
     if invariant and invariant_kernels_available(q.device):
-        return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale, key_start, codes)
+        return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale, key_start, codes, key_stop)
     if codes is not None:
         k8, v8 = codes.dequantize(torch.float32)            # exact: codes times scales, as the kernel's products
         if k is not None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
