@@ -214,7 +214,7 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
     invariant = getattr(model, "jetrl_invariant_attention", False)
     kv_fp8 = getattr(model, "jetrl_kv_fp8", False)         # FP8 keys and values on both sides (`PrecisionSpec.kv_fp8`)
     key_start = first_valid_column(key_valid) if invariant else None     # once for every layer
-    key_stop = valid_run_stop(key_valid, key_start) if invariant else None
+    key_stop = valid_run_stop(key_valid, key_start) if invariant and cache is not None else None   # read by decode only
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = torch.is_grad_enabled() and getattr(model, flag, False)       # model.gradient_checkpointing_enable()
     for i, layer in enumerate(body.layers):
