@@ -10,7 +10,7 @@ __all__ = ['SamplingParams', 'Rollout', 'sample_next', 'row_keys', 'row_uniforms
 # %% ../nbs/04c_sampling.ipynb #860e008c
 from dataclasses import dataclass, field
 import torch
-from .kernels import temperature_scaled
+from .kernels import temperature_scaled, race_sample, exponential_race, mix32
 from .logprobs import fused_head_active, target_log_probs
 
 # %% ../nbs/04c_sampling.ipynb #edd21615
@@ -69,7 +69,12 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
                 uniforms: torch.Tensor | None = None):
     """Pick the next token of each row from (B, V) logits; returns (tokens (B,), log-probs (B,) fp32).
     With `uniforms` ((B,) in [0, 1)), row i takes the inverse CDF of its distribution at uniforms[i]: its draw
-    depends on its own logits and uniform only, not on the other rows of the batch."""
+    depends on its own logits and uniform only, not on the other rows of the batch.
+    Where the head's kernels run (`fused_head_active`: a GPU) and nothing truncates the distribution, one kernel
+    draws the tokens (`race_sample`) and the trainer's kernel gives their log-probs: two reads of the logits."""
+    if params.top_k <= 0 and params.top_p >= 1 and uniforms is None and fused_head_active(logits.device):
+        tokens = race_sample(logits, params.temperature, generator, greedy=not params.do_sample)
+        return tokens, target_log_probs(logits, tokens, params.temperature)
     scaled = temperature_scaled(logits, params.temperature)
     if params.top_k > 0:
         kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
@@ -84,12 +89,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cdf = logp.exp().cumsum(-1)                                        # (B, V); a masked token adds 0: never picked
         tokens = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True).squeeze(-1)
         tokens = tokens.clamp(max=logp.shape[-1] - 1)
-    elif params.do_sample:
-        # the exponential race: with E_i ~ Exp(1), argmax_i p_i / E_i is a draw from p (the first of Exp(p_i)
-        # clocks to ring). torch.multinomial(p, 1) draws this way too (on the CPU: the same tokens for the same
-        # generator), but checks its input first, which the decode loop does not need
-        race = torch.empty_like(logp).exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
-        tokens = (logp.exp() / race).argmax(-1)
+    elif params.do_sample:          # with E_i ~ Exp(1), argmax_i p_i / E_i is a draw from p (the first Exp(p_i) clock to ring)
+        tokens = exponential_race(logp, generator)
     else:
         tokens = logp.argmax(-1)
     if fused_head_active(logits.device) and params.top_k <= 0 and params.top_p >= 1:   # the trainer's kernel
@@ -99,16 +100,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 # %% ../nbs/04c_sampling.ipynb #7fc85a79
 _MASK32 = 0xFFFFFFFF
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    "A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values in [0, 2**32)."
-    for multiplier in (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39):   # odd and below 2**31: every product fits in int64
-        x = ((x ^ (x >> 16)) * multiplier) & _MASK32
-    return x ^ (x >> 16)
-
 def row_keys(seed: int, rows: torch.Tensor) -> torch.Tensor:
-    "One key per (seed, global row index): the start of each row's own random stream, (B,) int64."
-    return _mix32(_mix32(torch.full_like(rows, seed & _MASK32)) ^ (rows & _MASK32))
+    "One key per (seed, global row index): the start of each row's own random stream, (B,) int64 (`mix32`, a 32-bit hash)."
+    return mix32(mix32(torch.full_like(rows, seed & _MASK32)) ^ (rows & _MASK32))
 
 def row_uniforms(keys: torch.Tensor, position: int) -> torch.Tensor:
     "Each row's uniform in [0, 1) at a token position (24 random bits): a fixed function of (key, position)."
-    return (_mix32(keys ^ position) >> 8).float() / 2**24
+    return (mix32(keys ^ position) >> 8).float() / 2**24

@@ -457,6 +457,46 @@ def test_fused_head_is_on_by_default_on_a_gpu_only():
     if torch.cuda.is_available(): assert fused_head_active("cuda") is True
 
 
+
+# ---- the sampler's draw: race_sample's kernel, argmax of z - log E over a row's chunks ----
+RACE_DRAWS = 1500
+CHI2_999 = {3: 16.27}        # chi-square bounds that a sampler of p stays under 999 times in 1,000, by degrees of freedom
+
+
+@needs_kernels
+def test_race_sample_draws_softmax_across_chunks_and_blocks():
+    """Four columns hold the mass, two in each of a row's two chunks (the second partial), in different blocks: the
+    draws' counts pass a chi-square test against softmax(z / T) (a wrong sign of log E, or uniforms instead of Exp(1)
+    draws, fails it by far); the -inf columns are never drawn; greedy takes the largest z, on a tie the earlier column
+    (the chunks' winners compared in column order)."""
+    from jetrl.kernels import race_sample, RACE_CHUNK
+    V, T = RACE_CHUNK + 37, 0.8
+    cols, z = torch.tensor([3, VOCAB_BLOCK + 100, RACE_CHUNK + 5, RACE_CHUNK + 36]), torch.tensor([1.0, 0.0, 0.5, -0.5])
+    x = torch.full((RACE_DRAWS, V), float("-inf"))
+    x[:, cols] = z
+    drawn = race_sample(x.to(DEVICE), T, torch.Generator(DEVICE).manual_seed(0)).cpu()
+    assert set(drawn.tolist()) <= set(cols.tolist())
+    counts = torch.stack([(drawn == c).sum() for c in cols]).double()
+    expected = RACE_DRAWS * torch.softmax(z.double() / T, -1)
+    assert ((counts - expected) ** 2 / expected).sum().item() < CHI2_999[3], (counts, expected)
+    tie = x[:2].clone()
+    tie[:, cols[2]] = 1.0                                  # chunk 1 ties chunk 0's largest
+    assert race_sample(tie.to(DEVICE), greedy=True).tolist() == [3, 3]
+
+
+@needs_kernels
+def test_race_sample_row_draw_depends_on_its_seed_index_and_logits_only():
+    "Changing another row's logits leaves a row's draw as it was; another seed draws other tokens."
+    from jetrl.kernels import race_sample
+    logits, _ = selective_inputs(4)
+    gen = lambda seed: torch.Generator(DEVICE).manual_seed(seed)
+    drawn = race_sample(logits, 4.0, gen(5))                            # T = 4: a flat distribution over ~8,000 tokens
+    other = logits.clone()
+    other[2] = other[2].flip(0)
+    again = race_sample(other, 4.0, gen(5))
+    assert torch.equal(drawn[[0, 1, 3]], again[[0, 1, 3]])
+    assert not torch.equal(drawn, race_sample(logits, 4.0, gen(6)))
+
 # ---- quantization in the producer: RMSNorm and SiLU-mul write their output's FP8 copy ----
 
 from jetrl.fp8 import quantize_unchecked
