@@ -141,13 +141,13 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     q, k, v = (t.view(heads_shape) for t in qkv)
     if hasattr(attn, "q_norm"): q, k = attn.q_norm(q), attn.k_norm(k)                # Qwen3: per-head RMSNorm
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                 # (b, heads, T, d)
-    q, codes = rotate_half_kernel(q, cos, sin), None                                 # rotary embedding
-    if cache_kv is not None:                             # the engine: k (rotated there) and v into the cache, attend over it
-        write_kv_cache(k, v, cos, sin, cache_kv, columns)
+    codes = None
+    if cache_kv is not None:       # the engine: q and k rotated, k and v into the cache (one kernel), attend over it
+        q = write_kv_cache(k, v, cos, sin, cache_kv, columns, q=q)
         if kv_fp8: codes, k, v = KVCodes(cache_kv[0], cache_kv[2], cache_kv[1], cache_kv[3]), None, None
         else: k, v = cache_kv
     else:                                                # the trainer: its own keys and values
-        k = rotate_half_kernel(k, cos, sin)
+        q, k = rotate_half_kernel(q, cos, sin), rotate_half_kernel(k, cos, sin)      # rotary embedding
         if kv_fp8: codes = KVCodes.quantize(k, v)        # the same quantizer as the engine's
     out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes, key_stop)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))

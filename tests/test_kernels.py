@@ -728,16 +728,19 @@ def test_rotary_kernel_gives_torch_bits_and_autograds_gradient(dtype, layout, T,
 def test_kv_cache_write_gives_the_separate_kernels_bits_at_its_columns_and_nothing_elsewhere(kv_fp8, T, gpu_casts):
     """The engine's cache write in one kernel: at each given column, the keys `rotate_half_kernel` gives (signed zeros
     included) and the values, as they are (BF16 cache) or as `quantize_kv`'s codes and scales (FP8 cache: keys
-    token-major, values dim-major); every other column left as it was (NaN here, so a stray or a missing write shows)."""
+    token-major, values dim-major); every other column left as it was (NaN here, so a stray or a missing write shows).
+    The queries of the same launch (two per key/value head) come out as `rotate_half_kernel` rotates them."""
     g = torch.Generator().manual_seed(3)
     b, heads, d, capacity = 2, 3, 64, 40
     k, v = ((torch.randn(b, T, heads, d, generator=g) * 3).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
+    q = (torch.randn(b, T, 2 * heads, d, generator=g) * 3).to(torch.bfloat16).transpose(1, 2)
+    q[1, 4, 0] = 0.0
     k[0, 0, 0] = 0.0                                              # the engine's (b, T, heads, d) views, a row of +0
     angles = torch.randn(b, T, d, generator=g) * 10
     angles[0, 0] = 2.0                                            # cos < 0, sin > 0: -0 from torch's ops there
     cos, sin = torch.cos(angles).to(torch.bfloat16), torch.sin(angles).to(torch.bfloat16)
     columns = torch.randperm(capacity, generator=g)[:T]          # any distinct columns, in any order (int64)
-    k, v, cos, sin, columns = (t.to(DEVICE) for t in (k, v, cos, sin, columns))
+    k, v, q, cos, sin, columns = (t.to(DEVICE) for t in (k, v, q, cos, sin, columns))
     def nan(codes):                                               # every code NaN (0x7F), the FP8 view kept
         codes.view(torch.uint8).fill_(0x7F)
         return codes
@@ -746,7 +749,9 @@ def test_kv_cache_write_gives_the_separate_kernels_bits_at_its_columns_and_nothi
                  *(torch.full((b, heads, capacity), float("nan"), device=DEVICE) for _ in range(2)))
     else: cache = tuple(torch.full((b, heads, capacity, d), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
     assert jetrl.kernels.attention._rotary_kernel_runs(k, cos, sin)
-    write_kv_cache(k, v, cos, sin, cache, columns)
+    q_rotated = write_kv_cache(k, v, cos, sin, cache, columns, q=q)
+    assert same_bits(q_rotated, rotate_half_kernel(q, cos, sin))
+    assert write_kv_cache(k, v, cos, sin, cache, columns) is None           # no queries: none returned
     k_rotated = rotate_half_kernel(k, cos, sin)
     if kv_fp8:
         (k_codes, k_scales), (v_codes, v_scales) = quantize_kv(k_rotated), quantize_kv(v)

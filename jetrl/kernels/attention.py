@@ -10,7 +10,7 @@ __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION
            'row_scalar', 'first_key_block', 'merge_splits', 'merge_workspace', 'attention_kernel',
            'attention_invariant', 'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into',
            'quantize_kv', 'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel',
-           'rotate_half_kernel', 'write_kv_kernel', 'write_kv_cache']
+           'rotate_half_kernel', 'rotate_tile', 'write_kv_kernel', 'write_kv_cache']
 
 # %% ../../nbs/00i_attention_kernels.ipynb #96dca6ef
 import math
@@ -538,50 +538,64 @@ def rotate_half_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 # %% ../../nbs/00i_attention_kernels.ipynb #46d81bae
 @triton.jit
-def write_kv_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, col_ptr, keys_ptr, values_ptr, k_scale_ptr, v_scale_ptr, heads, T,
-                    sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_t, ss_b, ss_t, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
-                    svc_d, sks_b, sks_h, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-                    BLOCK_T: tl.constexpr, D: tl.constexpr):
-    # one (row b, head h, BLOCK_T tokens) tile of the keys (axis 2: 0) or the values (1), written at the tokens' cache
-    # columns, as they are or (KV_FP8) as codes and one scale per token. The keys are rotated first, position d with
-    # its partner d +- D/2: y = x * cos - partner * sin in the first half, x * cos + partner * sin in the second, each
-    # product and the sum rounded to k's dtype (the rotary kernel's y1 and y2, the same operations)
+def rotate_tile(x_at, c_at, s_at, ok, dt, D: tl.constexpr):
+    # a (tokens, D) tile of one head rotated, position d with its partner d +- D/2: y = x * cos - partner * sin in
+    # the first half, x * cos + partner * sin in the second, each product and the sum rounded to dt (the rotary
+    # kernel's y1 and y2, the same operations). x_at, c_at, s_at: each token's first element
     HALF: tl.constexpr = D // 2
-    bh = tl.program_id(0)
+    d = tl.arange(0, D)
+    x = tl.load(x_at + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(x_at + ((d + HALF) % D)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    c = tl.load(c_at + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    s = tl.load(s_at + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    a, p = (x * c).to(dt).to(tl.float32), (partner * s).to(dt).to(tl.float32)
+    return tl.where((d < HALF)[None, :], a - p, a + p).to(dt)
+
+@triton.jit
+def write_kv_kernel(k_ptr, v_ptr, q_ptr, q_out_ptr, cos_ptr, sin_ptr, col_ptr, keys_ptr, values_ptr, k_scale_ptr,
+                    v_scale_ptr, heads, group, T, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sq_b, sq_h, sq_t, sqo_b, sqo_h, sqo_t,
+                    sc_b, sc_t, ss_b, ss_t, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t, svc_d, sks_b, sks_h,
+                    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_T: tl.constexpr,
+                    D: tl.constexpr):
+    # one (row b, key/value head h, BLOCK_T tokens) tile of, by axis 2: the keys (0), rotated, or the values (1),
+    # written at the tokens' cache columns as they are or (KV_FP8) as codes and one scale per token; or (2 + i) query
+    # head h * group + i, rotated into q_out at the tokens' own positions
+    bh, role = tl.program_id(0), tl.program_id(2)
     b, h = bh // heads, bh % heads
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
     d = tl.arange(0, D)
-    col = tl.load(col_ptr + t, mask=ok, other=0).to(tl.int32)          # int32 or int64 columns
     dt = k_ptr.dtype.element_ty
-    if tl.program_id(2) == 0:
-        k_at = k_ptr + b * sk_b + h * sk_h + t[:, None] * sk_t
-        x = tl.load(k_at + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        partner = tl.load(k_at + ((d + HALF) % D)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + b * sc_b + t[:, None] * sc_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + b * ss_b + t[:, None] * ss_t + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        a, p = (x * c).to(dt).to(tl.float32), (partner * s).to(dt).to(tl.float32)
-        y = tl.where((d < HALF)[None, :], a - p, a + p).to(dt)
-        dst = keys_ptr + b * skc_b + h * skc_h + col[:, None] * skc_t + d[None, :]
-        scale_at = k_scale_ptr + b * sks_b + h * sks_h + col
+    c_at, s_at = cos_ptr + b * sc_b + t[:, None] * sc_t, sin_ptr + b * ss_b + t[:, None] * ss_t
+    if role >= 2:
+        hq = h * group + role - 2
+        y = rotate_tile(q_ptr + b * sq_b + hq * sq_h + t[:, None] * sq_t, c_at, s_at, ok, dt, D)
+        tl.store(q_out_ptr + b * sqo_b + hq * sqo_h + t[:, None] * sqo_t + d[None, :], y, mask=ok[:, None])
     else:
-        y = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0)
-        dst = values_ptr + b * svc_b + h * svc_h + col[:, None] * svc_t + d[None, :] * svc_d   # token- or dim-major
-        scale_at = v_scale_ptr + b * sks_b + h * sks_h + col
-    if KV_FP8:
-        codes, scale = quantize_groups(y.to(tl.float32), FP8_MAX, TINY)
-        tl.store(dst, codes.to(keys_ptr.dtype.element_ty), mask=ok[:, None])
-        tl.store(scale_at, scale, mask=ok)
-    else:
-        tl.store(dst, y.to(keys_ptr.dtype.element_ty), mask=ok[:, None])
+        col = tl.load(col_ptr + t, mask=ok, other=0).to(tl.int32)          # int32 or int64 columns
+        if role == 0:
+            y = rotate_tile(k_ptr + b * sk_b + h * sk_h + t[:, None] * sk_t, c_at, s_at, ok, dt, D)
+            dst = keys_ptr + b * skc_b + h * skc_h + col[:, None] * skc_t + d[None, :]
+            scale_at = k_scale_ptr + b * sks_b + h * sks_h + col
+        else:
+            y = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None] * sv_t + d[None, :], mask=ok[:, None], other=0.0)
+            dst = values_ptr + b * svc_b + h * svc_h + col[:, None] * svc_t + d[None, :] * svc_d   # token- or dim-major
+            scale_at = v_scale_ptr + b * sks_b + h * sks_h + col
+        if KV_FP8:
+            codes, scale = quantize_groups(y.to(tl.float32), FP8_MAX, TINY)
+            tl.store(dst, codes.to(keys_ptr.dtype.element_ty), mask=ok[:, None])
+            tl.store(scale_at, scale, mask=ok)
+        else:
+            tl.store(dst, y.to(keys_ptr.dtype.element_ty), mask=ok[:, None])
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_kv: tuple,
-                   columns: torch.Tensor):
+                   columns: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor | None:
     """The engine's step: keys k, rotated here by cos/sin (b, T, d), and values v (b, kv_heads, T, d) into its cache at
-    `columns` (T,). `cache_kv`: (keys, values) of k's dtype (b, kv_heads, capacity, d), or (keys, values, key_scales,
-    value_scales): FP8 codes (`new_kv_codes`, values token- or dim-major) and fp32 scales (b, kv_heads, capacity). One
-    kernel where the rotary kernel can run on k; else `rotate_half_kernel`, then `index_copy_` or `quantize_kv_into`
-    for each. The same bits either way."""
+    `columns` (T,); with `q` (b, heads, T, d), also the queries rotated, returned (else None). `cache_kv`: (keys,
+    values) of k's dtype (b, kv_heads, capacity, d), or (keys, values, key_scales, value_scales): FP8 codes
+    (`new_kv_codes`, values token- or dim-major) and fp32 scales (b, kv_heads, capacity). One kernel where the rotary
+    kernel can run on k (and q); else `rotate_half_kernel`, then `index_copy_` or `quantize_kv_into` for each. The
+    same bits either way."""
     kv_fp8 = len(cache_kv) == 4
     keys, values = cache_kv[:2]
     if kv_fp8 and not keys.dtype == values.dtype == fp8_dtype(KV_FP8_FORMAT):
@@ -589,18 +603,27 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
                          f"(`new_kv_codes`); got keys {keys.dtype}, values {values.dtype}.")
     k_scale, v_scale = cache_kv[2:] if kv_fp8 else (cos, cos)           # (no scales without FP8: not read)
     B, heads, T, D = k.shape
-    if not (_rotary_kernel_runs(k, cos, sin) and v.dtype == k.dtype and v.stride(-1) == 1 and keys.stride(-1) == 1
+    if q is not None and (q.shape[0] != B or q.shape[2:] != (T, D) or q.shape[1] % heads):
+        raise ValueError(f"write_kv_cache takes q (b, heads, T, d) with heads a multiple of k's {heads}: got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}.")
+    if not (_rotary_kernel_runs(k, cos, sin) and (q is None or (_rotary_kernel_runs(q, cos, sin) and q.dtype == k.dtype))
+            and v.dtype == k.dtype and v.stride(-1) == 1 and keys.stride(-1) == 1
             and 1 in values.stride()[2:] and (kv_fp8 or keys.dtype == values.dtype == k.dtype)
             and k_scale.stride() == v_scale.stride() and next_power_of_2(D) == D
-            and not needs_64bit_offsets(k, v, keys, values, k_scale)):
+            and not needs_64bit_offsets(k, v, keys, values, k_scale, *([] if q is None else [q]))):
         k = rotate_half_kernel(k, cos, sin)
         if kv_fp8: quantize_kv_into(k, keys, k_scale, columns); quantize_kv_into(v, values, v_scale, columns)
         else: keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))
-        return
+        return None if q is None else rotate_half_kernel(q, cos, sin)
+    q_out = None if q is None else torch.empty_like(q)     # the layout the rotary kernel gives
+    group = 0 if q is None else q.shape[1] // heads
+    q_in = k if q is None else q                                         # (no queries: not read)
     block_t = min(KV_BLOCK_T, next_power_of_2(T))
     if k.numel():
-        write_kv_kernel[(B * heads, math.ceil(T / block_t), 2)](
-            k, v, cos, sin, columns.contiguous(), keys, values, k_scale, v_scale, heads, T, *k.stride()[:3],
-            *v.stride()[:3], cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *keys.stride()[:3],
-            *values.stride(), *k_scale.stride()[:2], KV_FP8=kv_fp8, FP8_MAX=fp8_max(KV_FP8_FORMAT),
-            TINY=torch.finfo(torch.float32).tiny, BLOCK_T=block_t, D=D, enable_fp_fusion=False)
+        write_kv_kernel[(B * heads, math.ceil(T / block_t), 2 + group)](
+            k, v, q_in, k if q is None else q_out, cos, sin, columns.contiguous(), keys, values, k_scale, v_scale, heads,
+            group, T, *k.stride()[:3], *v.stride()[:3], *q_in.stride()[:3], *(k if q is None else q_out).stride()[:3],
+            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *keys.stride()[:3], *values.stride(),
+            *k_scale.stride()[:2], KV_FP8=kv_fp8, FP8_MAX=fp8_max(KV_FP8_FORMAT), TINY=torch.finfo(torch.float32).tiny,
+            BLOCK_T=block_t, D=D, enable_fp_fusion=False)
+    return q_out
