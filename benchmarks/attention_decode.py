@@ -5,8 +5,8 @@ bytes bound and PyTorch's fastest dense attention, with the decode == trainer bi
 
 One decode step of one layer of the llama3-8b shape (32 query heads over 8 key/value heads, head_dim 128): --rows rows,
 ragged prompts of --prompt-min..--prompt-max tokens left-padded to the longest, the query --generated tokens past it,
-in a cache of the long rollout's capacity. Per tile setting (KEY_BLOCK, KEY_SPLIT, warps, stages and decode's
-register bound of `jetrl.kernels.attention`; each `--tiles` entry is `block:split:warps:stages:registers`, 0 for
+in a cache of the long rollout's capacity. Per tile setting (KEY_BLOCK, KEY_SPLIT, warps, stages and the FP8 path's
+register bound of `jetrl.kernels.attention`; each `--tiles` entry is `block:split:warps:stages:fp8_registers`, 0 for
 unbounded registers), one row: the kernel's GPU time with BF16 and with FP8 keys/values (FP8 values dim-major, as the
 engine's cache and `KVCodes.quantize` store them; and token-major, the keys' layout, `fp8_values_token_major_us`) (CUDA graphs replayed, no host time), each against its bound (the written keys and values
 of every row, FP8 with their fp32 scales, at the GPU's memory bandwidth: `hbm_bytes_per_s`), and `decode_equals_trainer`: every checked column's decode
@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 import jetrl.kernels.attention as attention
 from benchmarks.common import add_output_args, emit, hbm_bytes_per_s, make_row, need_cuda
-from jetrl.forward import first_valid_column, valid_run_stop
+from jetrl.forward import first_valid_column
 from jetrl.kernels.support import graph_time_ms
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES", "DECODE_MAX_REGISTERS")
-TILES = "64:512:4:3:128,64:512:4:3:0,128:512:8:3:128,64:512:8:3:128,64:1024:4:3:128,64:512:4:4:128"
+TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES", "FP8_KV_MAX_REGISTERS")
+TILES = "64:512:4:3:128,64:512:4:3:0,64:512:4:3:168,64:512:4:2:128,32:512:4:3:128,64:1024:4:3:128,64:1024:4:3:0"
 
 
 def tile_settings(text: str) -> list[dict]:
@@ -33,7 +33,7 @@ def tile_settings(text: str) -> list[dict]:
     for entry in text.split(","):
         parts = entry.split(":")
         if len(parts) != 5 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"--tiles: {entry!r} is not block:split:warps:stages:registers (five whole numbers, "
+            raise SystemExit(f"--tiles: {entry!r} is not block:split:warps:stages:fp8_registers (five whole numbers, "
                              "e.g. 64:512:4:3:128; registers 0: unbounded)")
         settings.append(dict(zip(TILE_NAMES, map(int, parts))))
     return settings
@@ -48,14 +48,12 @@ def decode_equals_trainer(device) -> bool:
     valid = torch.ones(4, T, dtype=torch.bool, device=device)
     for row, pads in enumerate([0, 37, attention.KEY_SPLIT + 5, 900]): valid[row, :pads] = False
     start, columns = first_valid_column(valid), torch.arange(T, device=device)
-    stop = valid_run_stop(valid, start)
     codes = attention.KVCodes.quantize(k, v)
     checked = sorted({*range(0, T, 97), T - 1, *(s * attention.KEY_SPLIT + d for s in (1, 2) for d in (-1, 0))})
     for kk, vv, cc in ((k, v, None), (None, None, codes), (None, None, codes._replace(v=codes.v.contiguous()))):
         trainer = attention.attend(q, kk, vv, columns, valid, HEAD_DIM ** -0.5, True, start, cc)
         for c in checked:
-            decode = attention.attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, HEAD_DIM ** -0.5, True, start, cc,
-                                      stop)
+            decode = attention.attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, HEAD_DIM ** -0.5, True, start, cc)
             if not torch.equal(decode, trainer[:, :, c:c + 1]): return False
     return True
 
@@ -67,7 +65,7 @@ def main(argv=None):
     p.add_argument("--prompt-max", type=int, default=1000)
     p.add_argument("--generated", type=int, default=1600, help="tokens generated so far (the query's distance past the prompts)")
     p.add_argument("--capacity", type=int, default=1000 + 4096, help="the cache's columns (the long rollout's)")
-    p.add_argument("--tiles", type=tile_settings, default=tile_settings(TILES), metavar="BLOCK:SPLIT:WARPS:STAGES:REGISTERS,...")
+    p.add_argument("--tiles", type=tile_settings, default=tile_settings(TILES), metavar="BLOCK:SPLIT:WARPS:STAGES:FP8_REGISTERS,...")
     add_output_args(p, kernels=False)
     args = p.parse_args(argv)
     need_cuda("attention_decode")
@@ -80,7 +78,6 @@ def main(argv=None):
     for r, n in enumerate(lengths.tolist()): valid[r, longest - n:column + 1] = True
     valid = valid.to(device)
     start, q_column = first_valid_column(valid), torch.tensor([column], device=device)
-    stop = valid_run_stop(valid, start)                             # as the engine's step passes them
     keys = int(valid.sum())                                         # written keys, every row
     q = torch.randn(args.rows, HEADS, 1, HEAD_DIM, generator=g).to(device, torch.bfloat16)
     k, v = (torch.randn(args.rows, KV_HEADS, args.capacity, HEAD_DIM, generator=g).to(device, torch.bfloat16) for _ in range(2))
@@ -110,13 +107,13 @@ def main(argv=None):
     try:
         for tiles in args.tiles:
             for n, value in tiles.items(): setattr(attention, n, value)
-            t = {kv: 1e3 * graph_time_ms(lambda: attention.attend(q, kk, vv, q_column, valid, scale, True, start, cc, stop))
+            t = {kv: 1e3 * graph_time_ms(lambda: attention.attend(q, kk, vv, q_column, valid, scale, True, start, cc))
                  for kv, kk, vv, cc in (("bf16", k, v, None), ("fp8", None, None, codes),
                                         ("fp8_values_token_major", None, None, token_major))}
             emit(make_row("attention_decode", shape | dict(
                 kernel="jetrl", key_block=tiles["KEY_BLOCK"], key_split=tiles["KEY_SPLIT"],
                 warps=tiles["ATTENTION_WARPS"], stages=tiles["ATTENTION_STAGES"],
-                max_registers=tiles["DECODE_MAX_REGISTERS"] or None,
+                fp8_max_registers=tiles["FP8_KV_MAX_REGISTERS"] or None,
                 default=tiles == chosen,
                 bf16_us=t["bf16"], fp8_us=t["fp8"], fp8_values_token_major_us=t["fp8_values_token_major"],
                 bf16_over_bound=t["bf16"] / bound_us["bf16"],

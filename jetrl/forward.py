@@ -6,7 +6,7 @@ Docs: https://jetrl.github.io/jetrl/forward.html.md"""
 
 # %% auto #0
 __all__ = ['STATIC_MODEL_TYPES', 'SIBLING_LINEARS', 'static_decode_unsupported', 'check_cache_fits', 'StaticKVCache',
-           'first_valid_column', 'valid_run_stop', 'decoder_forward', 'sequence_forward']
+           'first_valid_column', 'decoder_forward', 'sequence_forward']
 
 # %% ../nbs/04a_forward.ipynb #691c89d0
 import math
@@ -129,12 +129,11 @@ class StaticKVCache:
 # %% ../nbs/04a_forward.ipynb #8fb3ed8e
 def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.Tensor, key_valid: torch.Tensor,
                      cache_kv: tuple | None, invariant: bool, fused: bool = False, key_start: torch.Tensor | None = None,
-                     kv_fp8: bool = False, key_stop: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_fp8: bool = False) -> torch.Tensor:
     """h (b, T, hidden) at key `columns` (T,) -> attention output. With `cache_kv` (`StaticKVCache.layer`) this step's
     keys and values are written into those columns of the cache first and the queries attend over the cache; without,
     over this call's own keys (the trainer's full sequence). `kv_fp8`: keys and values quantized per token and head
-    (`quantize_kv`) on both sides, the attention reading the codes. `key_start` (b,): each row's first valid column;
-    `key_stop` (b,): the first invalid one at or after it (`valid_run_stop`)."""
+    (`quantize_kv`) on both sides, the attention reading the codes. `key_start` (b,): each row's first valid column."""
     b, T, _ = h.shape
     heads_shape = (b, T, -1, attn.head_dim)
     qkv = attn.jetrl_fused_qkv(h) if fused and hasattr(attn, "jetrl_fused_qkv") else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
@@ -149,7 +148,7 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     else:                                                # the trainer: its own keys and values
         q, k = rotate_half_kernel(q, cos, sin), rotate_half_kernel(k, cos, sin)      # rotary embedding
         if kv_fp8: codes = KVCodes.quantize(k, v)        # the same quantizer as the engine's
-    out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes, key_stop)
+    out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
 def _normed(norm: nn.Module, h: torch.Tensor, consumers: list) -> torch.Tensor:
@@ -198,13 +197,6 @@ def first_valid_column(key_valid: torch.Tensor) -> torch.Tensor:
     "(b,) int32: each row's first valid key column (0 for a row with none): the left padding the attention may skip."
     return key_valid.to(torch.int8).argmax(1).to(torch.int32)
 
-def valid_run_stop(key_valid: torch.Tensor, key_start: torch.Tensor) -> torch.Tensor:
-    """(b,) int32: each row's first invalid key column at or after `key_start` (the columns' count if none): its keys
-    in [key_start, stop) are all valid, so the attention reads no validity there. In the engine's step it is the
-    column after the step's own; in the trainer, a row's right padding."""
-    holes = ~key_valid & (torch.arange(key_valid.shape[1], device=key_valid.device) >= key_start[:, None])
-    return torch.where(holes.any(1), holes.to(torch.int8).argmax(1), key_valid.shape[1]).to(torch.int32)
-
 def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, key_valid: torch.Tensor,
             cache: "StaticKVCache | None" = None, upto: int | None = None, fused: bool = False) -> torch.Tensor:
     """The decoder layers over h (b, T, hidden): the one body of the rollout's step and the trainer's forward.
@@ -214,7 +206,6 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
     invariant = getattr(model, "jetrl_invariant_attention", False)
     kv_fp8 = getattr(model, "jetrl_kv_fp8", False)         # FP8 keys and values on both sides (`PrecisionSpec.kv_fp8`)
     key_start = first_valid_column(key_valid) if invariant else None     # once for every layer
-    key_stop = valid_run_stop(key_valid, key_start) if invariant and cache is not None else None   # read by decode only
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = torch.is_grad_enabled() and getattr(model, flag, False)       # model.gradient_checkpointing_enable()
     for i, layer in enumerate(body.layers):
@@ -222,8 +213,7 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
         def block(h, layer=layer, kv=kv):
             attn, mlp = layer.self_attn, layer.mlp
             normed = _normed(layer.input_layernorm, h, _siblings(attn, "jetrl_fused_qkv"))
-            h = h + _attention_block(attn, normed, cos, sin, columns, key_valid, kv, invariant, fused, key_start, kv_fp8,
-                                     key_stop)
+            h = h + _attention_block(attn, normed, cos, sin, columns, key_valid, kv, invariant, fused, key_start, kv_fp8)
             return h + _mlp(mlp, _normed(layer.post_attention_layernorm, h, _siblings(mlp, "jetrl_fused_gate_up")), fused)
         # checkpointed, a layer saves no RNG state: it draws no random numbers (no dropout here), and a CUDA graph's
         # capture may not read that state

@@ -369,23 +369,22 @@ def test_split_decode_attention_equals_trainer_at_every_column(head_dim):
     column's query the trainer's bits: ragged left padding, every column across three split boundaries, BF16 and FP8
     keys and values. The KV quantizer's bytes equal the CPU quantizer's."""
     from jetrl.kernels.attention import KEY_SPLIT, KVCodes, attend, quantize_kv, quantize_kv_torch
-    from jetrl.forward import first_valid_column, valid_run_stop
+    from jetrl.forward import first_valid_column
     torch.manual_seed(0)
     T = 3 * KEY_SPLIT + 77
     q = torch.randn(4, 8, T, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(4, 2, T, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     valid = torch.ones(4, T, dtype=torch.bool, device="cuda")
     for row, pads in enumerate([0, 37, KEY_SPLIT + 5, 900]): valid[row, :pads] = False
-    valid[0, KEY_SPLIT + 100:KEY_SPLIT + 103] = False                  # a hole: row 0's run of valid keys stops there
+    valid[0, KEY_SPLIT + 100:KEY_SPLIT + 103] = False                  # a hole inside row 0's keys
     start, columns = first_valid_column(valid), torch.arange(T, device="cuda")
-    stop = valid_run_stop(valid, start)                                 # decode skips the validity inside each run
     codes = KVCodes.quantize(k, v)
     token_major = codes._replace(v=codes.v.contiguous())                 # FP8 values as the keys are laid out
     for name, (kk, vv, cc) in {"bf16": (k, v, None), "fp8": (None, None, codes),
                                "fp8, values token-major": (None, None, token_major)}.items():
         trainer = attend(q, kk, vv, columns, valid, head_dim ** -0.5, True, start, cc)
-        decode = torch.cat([attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, head_dim ** -0.5, True, start, cc,
-                                   stop) for c in range(T)], dim=2)
+        decode = torch.cat([attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, head_dim ** -0.5, True, start, cc)
+                            for c in range(T)], dim=2)
         differ = (decode != trainer).any(-1).any(1)                     # (rows, columns) where any head differs
         assert not differ.any(), f"{name}: {int(differ.sum())} of {differ.numel()} (row, column) queries differ"
         assert not trainer.isnan().any()

@@ -996,7 +996,7 @@ def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_c
     padding and three key splits; and decode (heads as rows, splits in parallel, then merged) gives every column's
     query the trainer's bits. Splits and blocks made small for the interpreter: the same code paths."""
     from jetrl.kernels.attention import KVCodes, attend, attention_invariant, causal_key_mask, quantize_kv
-    from jetrl.forward import first_valid_column, valid_run_stop
+    from jetrl.forward import first_valid_column
     monkeypatch.setattr(jetrl.kernels.attention, "KEY_SPLIT", 32)
     monkeypatch.setattr(jetrl.kernels.attention, "KEY_BLOCK", 16)
     g = torch.Generator().manual_seed(0)
@@ -1004,10 +1004,8 @@ def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_c
     q = torch.randn(b, heads, T, D, generator=g).to(DEVICE, torch.bfloat16)
     k, v = (torch.randn(b, kv_heads, T, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     valid = torch.ones(b, T, dtype=torch.bool, device=DEVICE); valid[1, :37] = False
-    valid[0, 50:53] = False                 # a hole inside row 0's keys: its run of valid keys stops there (key_stop)
+    valid[0, 50:53] = False                 # a hole inside row 0's keys
     start, columns, scale = first_valid_column(valid), torch.arange(T, device=DEVICE), D ** -0.5
-    stop = valid_run_stop(valid, start)
-    assert stop.tolist() == [50, T]
     codes = KVCodes.quantize(k, v) if kv.startswith("fp8") else None
     if kv == "fp8-values-token-major": codes = codes._replace(v=codes.v.contiguous())
     if codes is not None: assert codes.v.stride(-1 if kv == "fp8-values-token-major" else -2) == 1
@@ -1018,9 +1016,9 @@ def test_attention_kernel_equals_fp32_oracle_and_decode_equals_trainer(kv, gpu_c
                                           scale=scale, enable_gqa=True)
     err = (trainer.float() - want).abs().max() / v_exact.abs().max()
     assert err <= ATTENTION_VS_FP32, f"{kv}: {float(err):.2e} of the largest value from the fp32 oracle"
-    # decode reads no validity in the blocks inside a row's run of valid keys (key_stop): the trainer's bits still
+    # decode: the trainer's bits at every checked column (split edges, the padding's edge, the hole's)
     for c in [0, 36, 37, 31, 32, 49, 50, 53, 63, 64, 80, T - 1]:
-        decode = attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, scale, True, start, codes, stop)
+        decode = attend(q[:, :, c:c + 1], kk, vv, columns[c:c + 1], valid, scale, True, start, codes)
         assert torch.equal(decode, trainer[:, :, c:c + 1]), f"{kv}: column {c}"
 
 
