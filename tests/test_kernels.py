@@ -457,7 +457,6 @@ def test_fused_head_is_on_by_default_on_a_gpu_only():
     if torch.cuda.is_available(): assert fused_head_active("cuda") is True
 
 
-
 # ---- the sampler's draw: race_sample's kernel, argmax of z - log E over a row's chunks ----
 RACE_DRAWS = 1500
 CHI2_999 = {3: 16.27}        # chi-square bounds that a sampler of p stays under 999 times in 1,000, by degrees of freedom
@@ -496,6 +495,7 @@ def test_race_sample_row_draw_depends_on_its_seed_index_and_logits_only():
     again = race_sample(other, 4.0, gen(5))
     assert torch.equal(drawn[[0, 1, 3]], again[[0, 1, 3]])
     assert not torch.equal(drawn, race_sample(logits, 4.0, gen(6)))
+
 
 # ---- quantization in the producer: RMSNorm and SiLU-mul write their output's FP8 copy ----
 
