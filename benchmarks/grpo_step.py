@@ -7,9 +7,10 @@
     python -m benchmarks grpo_step --model qwen2-7b --strategies jet --prompts 16 --micro-batch 16 \
         --kernels gluon_decode=false                       # one kernel choice against the default
     python -m benchmarks grpo_step --model llama3-8b --strategies bf16 --prompts 8 --samples 8 --new-tokens 4096 \
-        --micro-batch 2 --checkpointing --no-cuda-graphs --release-rollout-memory --out benchmarks/results/grpo_step_h200.jsonl
-        # long rollouts: one strategy per call (a warm-up step, then the timed one); the KV cache (40 GB in BF16) freed
-        # for training, whose micro-batches of 2 rows x ~4,650 tokens keep only each layer's input (~2.4 GB)
+        --warmup-new-tokens 256 --micro-batch 2 --checkpointing --no-cuda-graphs --release-rollout-memory \
+        --out benchmarks/results/grpo_step_h200.jsonl
+        # long rollouts: one strategy per call (a 256-token warm-up step, then the timed one); the KV cache (40 GB in
+        # BF16) freed for training, whose micro-batches of 2 rows x ~4,650 tokens keep only each layer's input (~2.4 GB)
     torchrun --standalone --nproc-per-node 1 -m benchmarks grpo_step --distributed ...   # FSDP2 over the ranks
 
 One step, timed phase by phase as `jetrl.train` runs it, on a random-weight model of a real shape (no download):
@@ -89,6 +90,9 @@ def main(argv=None):
                    help="the engine frees its KV cache and graphs after each rollout (TrainConfig.release_rollout_memory): "
                         "their allocation and capture count in the next rollout's time")
     p.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
+    p.add_argument("--warmup-new-tokens", type=int, default=None, metavar="N",
+                   help="the warm-up step's new tokens (default --new-tokens): a short warm-up compiles the same kernels "
+                        "and allocates AdamW's state; with --release-rollout-memory the timed rollout captures its own graphs")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine runs q/k/v and gate/up as one GEMM each (default: RolloutEngine's, on a GPU on)")
@@ -106,6 +110,12 @@ def main(argv=None):
     if args.cuda_graphs and args.distributed:
         p.error("--cuda-graphs replays kernels, not FSDP's hooks: run it without --distributed")
     if args.cuda_graphs is None: args.cuda_graphs = not args.distributed          # jetrl.train's default
+    if args.warmup_new_tokens is not None:
+        if not 0 < args.warmup_new_tokens <= args.new_tokens:
+            p.error(f"--warmup-new-tokens {args.warmup_new_tokens}: give 1 to --new-tokens ({args.new_tokens})")
+        if args.warmup_new_tokens < args.new_tokens and (args.cuda_graphs or not args.release_rollout_memory):
+            p.error("a warm-up shorter than the timed step leaves graphs of the wrong shape: the timed step would capture "
+                    "them inside its time; pass --release-rollout-memory and --no-cuda-graphs with it")
     with use_kernel_options(args.kernels):
         run_all(args, argv)
 
@@ -118,6 +128,8 @@ def run_all(args, argv):
     device = world.device if world else torch.device("cuda")
     launcher = f"torchrun --standalone --nproc-per-node {world.size} -m benchmarks" if world else "python -m benchmarks"
     params = SamplingParams(n=args.samples, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
+    warmup_params = SamplingParams(n=args.samples, max_new_tokens=args.warmup_new_tokens or args.new_tokens, seed=0,
+                                   ignore_eos=True)
     for mode in args.modes.split(","):
         for strategy in args.strategies.split(","):
             model, tokenizer = build(args.model, torch.bfloat16)
@@ -137,11 +149,11 @@ def run_all(args, argv):
             if world: prompts = rank_block(prompts, world)[0]
             generator = torch.Generator().manual_seed(2)
             graphed = GraphedLogProbs(policy.model) if args.cuda_graphs else None
-            run = lambda: grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync, graphed,
-                                    args.entropy, world)
-            warmup = run()                                   # captures the engine's graphs (and the trainer's: --cuda-graphs)
+            run = lambda params: grpo_step(policy, engine, optimizer, prompts, params, args.micro_batch, generator, sync,
+                                           graphed, args.entropy, world)
+            warmup = run(warmup_params)                      # captures the engine's graphs (and the trainer's: --cuda-graphs)
             if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
-            steps = [run() for _ in range(args.steps)]
+            steps = [run(params) for _ in range(args.steps)]
             row = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
             if world:
                 row["tokens"] *= world.size                            # every rank generates as many (EOS ignored)
@@ -153,7 +165,7 @@ def run_all(args, argv):
                         prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                         micro_batch=args.micro_batch, checkpointing=args.checkpointing, steps=args.steps,
                         tokens_per_s=row["tokens"] / row["step_s"], rollout_tokens_per_s=row["tokens"] / row["rollout_s"],
-                        warmup_step_s=warmup["step_s"], fuse_projections=engine.fuses_projections(),
+                        warmup_step_s=warmup["step_s"], warmup_new_tokens=warmup_params.max_new_tokens, fuse_projections=engine.fuses_projections(),
                         trainer_cuda_graphs=args.cuda_graphs, entropy=args.entropy,
                         release_rollout_memory=args.release_rollout_memory,
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

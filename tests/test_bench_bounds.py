@@ -43,3 +43,16 @@ def test_decode_gemm_benchmark_shapes_and_candidates():
                          ("--linears=qkv,mlp", "unknown \\['mlp'\\]")):
         with pytest.raises(SystemExit, match=message):
             decode_gemm.main([bad])
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--warmup-new-tokens", "0"], "give 1 to --new-tokens"),
+    (["--warmup-new-tokens", "9000"], "give 1 to --new-tokens"),
+    (["--warmup-new-tokens", "256", "--release-rollout-memory"], "--no-cuda-graphs"),
+    (["--warmup-new-tokens", "256", "--no-cuda-graphs"], "--release-rollout-memory"),
+])
+def test_grpo_step_refuses_a_warmup_that_would_time_a_capture(extra, says, capsys):
+    from benchmarks import grpo_step
+    with pytest.raises(SystemExit):
+        grpo_step.main(["--new-tokens", "4096", *extra])
+    assert says in capsys.readouterr().err
