@@ -157,6 +157,9 @@ def run_all(args, argv):
             row = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
             if world:
                 row["tokens"] *= world.size                            # every rank generates as many (EOS ignored)
+                gaps = world.all_gather_floats([row["logp_abs_diff_mean"], row["logp_abs_diff_max"], row["exact_fraction"]])
+                row |= dict(logp_abs_diff_mean=sum(gaps[0::3]) / world.size, logp_abs_diff_max=max(gaps[1::3]),
+                            exact_fraction=min(gaps[2::3]), logp_abs_diff_max_by_rank=gaps[1::3])   # every rank's gap
                 other = "hp" if args.sync_format == "fp8" else "fp8"    # the other wire format, one sync: its bytes and time
                 report = sync_rollout_weights(policy, world, other)
                 row |= {f"sync_s_{other}": report.seconds, f"sync_bytes_{other}": report.bytes}

@@ -56,3 +56,11 @@ def test_grpo_step_refuses_a_warmup_that_would_time_a_capture(extra, says, capsy
     with pytest.raises(SystemExit):
         grpo_step.main(["--new-tokens", "4096", *extra])
     assert says in capsys.readouterr().err
+
+
+def test_process_counts_read_all_and_refuse_what_the_host_cannot_run():
+    from benchmarks.grpo_step_torchrun import process_counts
+    assert process_counts("8,1,all", 8) == [1, 8] and process_counts("2,1", 0) == [1, 2]
+    for spec, devices, says in (("0", 8, "not a process count"), ("two", 8, "not a process count"),
+                                ("16", 8, "this host has 8 GPUs"), ("all", 0, "no GPU is visible")):
+        with pytest.raises(ValueError, match=says): process_counts(spec, devices)

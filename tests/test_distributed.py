@@ -242,3 +242,38 @@ def test_one_rank_fsdp_quantizes_each_weight_once_per_update(monkeypatch):
             assert cached.data.data_ptr() == rollout_layers[fqn].weight_fp8.data_ptr(), fqn
             assert torch.equal(cached.data.view(torch.uint8), jl.quantize_weight(m.weight, m.recipe).data.view(torch.uint8)), fqn
     finally: torch.distributed.destroy_process_group()
+
+
+SCALING = ["--parts", "torchrun", "--strategies", "jet", "--prompts-per-gpu", "2", "--steps", "1"]
+TINY_STEP = ["--", "--model", "jetrl-tiny", "--samples", "2", "--new-tokens", "8", "--micro-batch", "4"]
+
+
+def _scaling(tmp_path, *args) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    "`python -m benchmarks grpo_step_torchrun ...` on the CPU: its process and the rows it wrote."
+    out = tmp_path / "rows.jsonl"
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "grpo_step_torchrun", *SCALING, "--logs", str(tmp_path / "logs"),
+                           "--out", str(out), *args], env=_env(), capture_output=True, text=True, cwd=REPO,
+                          timeout=LAUNCH_TIMEOUT_S)
+    return done, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+
+def test_scaling_benchmark_reports_every_rank_and_the_efficiency(tmp_path):
+    done, rows = _scaling(tmp_path, "--nproc", "2,1", *TINY_STEP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = rows                                                       # the 1-rank launch first, whatever the order given
+    assert (one["gpus"], two["gpus"]) == (1, 2) and (one["prompts"], two["prompts"]) == (2, 4)    # weak scaling
+    assert two["tokens"] == 2 * one["tokens"] and "scaling_efficiency" not in one
+    assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_s"] / (2 * one["tokens_per_s"]), rel=1e-5)
+    assert two["tokens_per_s_per_gpu"] == pytest.approx(two["tokens_per_s"] / 2, rel=1e-6)
+    assert len(two["logp_abs_diff_max_by_rank"]) == 2 and two["logp_abs_diff_max"] == pytest.approx(max(two["logp_abs_diff_max_by_rank"]), abs=1e-6)
+    assert 0 < two["sync_bytes"] < two["sync_bytes_hp"]                   # the FP8 sync moves fewer bytes than BF16's
+    assert two["command"].startswith("python -m benchmarks grpo_step_torchrun") and "--out" not in two["launch"]
+
+
+def test_scaling_benchmark_keeps_a_failed_launch_as_a_row_with_its_log(tmp_path):
+    done, rows = _scaling(tmp_path, "--nproc", "2", "--", "--model", "no-such-model")
+    assert done.returncode == 1 and "failed" in done.stderr
+    (row,) = rows
+    assert row["failed"] and row["gpus"] == 2 and row["returncode"] not in (0, None) and not row["timed_out"]
+    assert {e.split(":")[0] for e in row["rank_errors"]} == {"[rank0]", "[rank1]"} and "no-such-model" in row["rank_errors"][0]
+    assert "no-such-model" in Path(row["log"]).read_text() and row["log_tail"]
