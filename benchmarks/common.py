@@ -23,6 +23,9 @@ RANDOM_MODELS = {  # Qwen2-0.5B's shape and Qwen2-7B's (26 of its 28 layers: wha
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=26, num_attention_heads=28,
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen2.5-14B's shape, all 48 layers: the several-GPU shape (FSDP2 shards its training state; not one GPU's)
+    "qwen2.5-14b": dict(family="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
     # Llama-3-8B's shape, all 32 layers: the long-rollout shape (64 rows of ~5,000 tokens fit beside it)
     "llama3-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
