@@ -142,7 +142,7 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                 # (b, heads, T, d)
     codes = None
     if cache_kv is not None:       # the engine: q and k rotated, k and v into the cache (one kernel), attend over it
-        q = write_kv_cache(k, v, cos, sin, cache_kv, columns, q=q)
+        q = write_kv_cache(k, v, q, cos, sin, cache_kv, columns)
         if kv_fp8: codes, k, v = KVCodes(cache_kv[0], cache_kv[2], cache_kv[1], cache_kv[3]), None, None
         else: k, v = cache_kv
     else:                                                # the trainer: its own keys and values

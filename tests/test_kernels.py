@@ -749,9 +749,8 @@ def test_kv_cache_write_gives_the_separate_kernels_bits_at_its_columns_and_nothi
                  *(torch.full((b, heads, capacity), float("nan"), device=DEVICE) for _ in range(2)))
     else: cache = tuple(torch.full((b, heads, capacity, d), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
     assert jetrl.kernels.attention._rotary_kernel_runs(k, cos, sin)
-    q_rotated = write_kv_cache(k, v, cos, sin, cache, columns, q=q)
+    q_rotated = write_kv_cache(k, v, q, cos, sin, cache, columns)
     assert same_bits(q_rotated, rotate_half_kernel(q, cos, sin))
-    assert write_kv_cache(k, v, cos, sin, cache, columns) is None           # no queries: none returned
     k_rotated = rotate_half_kernel(k, cos, sin)
     if kv_fp8:
         (k_codes, k_scales), (v_codes, v_scales) = quantize_kv(k_rotated), quantize_kv(v)

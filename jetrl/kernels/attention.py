@@ -559,14 +559,13 @@ def write_kv_kernel(k_ptr, v_ptr, q_ptr, q_out_ptr, cos_ptr, sin_ptr, col_ptr, k
         else:
             tl.store(dst, y.to(keys_ptr.dtype.element_ty), mask=ok[:, None])
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_kv: tuple,
-                   columns: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The engine's step: keys k, rotated here by cos/sin (b, T, d), and values v (b, kv_heads, T, d) into its cache at
-    `columns` (T,); with `q` (b, heads, T, d), also the queries rotated, returned (else None). `cache_kv`: (keys,
-    values) of k's dtype (b, kv_heads, capacity, d), or (keys, values, key_scales, value_scales): FP8 codes
-    (`new_kv_codes`, values token- or dim-major) and fp32 scales (b, kv_heads, capacity). One kernel where the rotary
-    kernel can run on k (and q); else `rotate_half_kernel`, then `index_copy_` or `quantize_kv_into` for each. The
-    same bits either way."""
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache_kv: tuple, columns: torch.Tensor) -> torch.Tensor:
+    """The engine's step: keys k (b, kv_heads, T, d) rotated by cos/sin (b, T, d) and values v (b, kv_heads, T, d) into
+    its cache at `columns` (T,), and the queries q (b, heads, T, d) rotated, returned. `cache_kv`: (keys, values) of
+    k's dtype (b, kv_heads, capacity, d), or (keys, values, key_scales, value_scales): FP8 codes (`new_kv_codes`,
+    values token- or dim-major) and fp32 scales (b, kv_heads, capacity). One kernel where the rotary kernel can run
+    on k and q; else `rotate_half_kernel`, then `index_copy_` or `quantize_kv_into` for each. The same bits either way."""
     kv_fp8 = len(cache_kv) == 4
     keys, values = cache_kv[:2]
     if kv_fp8 and not keys.dtype == values.dtype == fp8_dtype(KV_FP8_FORMAT):
@@ -574,27 +573,24 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: tor
                          f"(`new_kv_codes`); got keys {keys.dtype}, values {values.dtype}.")
     k_scale, v_scale = cache_kv[2:] if kv_fp8 else (cos, cos)           # (no scales without FP8: not read)
     B, heads, T, D = k.shape
-    if q is not None and (q.shape[0] != B or q.shape[2:] != (T, D) or q.shape[1] % heads):
+    if q.shape[0] != B or q.shape[2:] != (T, D) or q.shape[1] % heads:
         raise ValueError(f"write_kv_cache takes q (b, heads, T, d) with heads a multiple of k's {heads}: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}.")
-    if not (_rotary_kernel_runs(k, cos, sin) and (q is None or (_rotary_kernel_runs(q, cos, sin) and q.dtype == k.dtype))
-            and v.dtype == k.dtype and v.stride(-1) == 1 and keys.stride(-1) == 1
-            and 1 in values.stride()[2:] and (kv_fp8 or keys.dtype == values.dtype == k.dtype)
-            and k_scale.stride() == v_scale.stride() and next_power_of_2(D) == D
-            and not needs_64bit_offsets(k, v, keys, values, k_scale, *([] if q is None else [q]))):
+    if not (_rotary_kernel_runs(k, cos, sin) and _rotary_kernel_runs(q, cos, sin) and q.dtype == v.dtype == k.dtype
+            and v.stride(-1) == 1 and keys.stride(-1) == 1 and 1 in values.stride()[2:]
+            and (kv_fp8 or keys.dtype == values.dtype == k.dtype) and k_scale.stride() == v_scale.stride()
+            and next_power_of_2(D) == D and not needs_64bit_offsets(k, v, q, keys, values, k_scale)):
         k = rotate_half_kernel(k, cos, sin)
         if kv_fp8: quantize_kv_into(k, keys, k_scale, columns); quantize_kv_into(v, values, v_scale, columns)
         else: keys.index_copy_(2, columns, k.to(keys.dtype)); values.index_copy_(2, columns, v.to(values.dtype))
-        return None if q is None else rotate_half_kernel(q, cos, sin)
-    q_out = None if q is None else torch.empty_like(q)     # the layout the rotary kernel gives
-    group = 0 if q is None else q.shape[1] // heads
-    q_in = k if q is None else q                                         # (no queries: not read)
-    block_t = min(KV_BLOCK_T, next_power_of_2(T))
+        return rotate_half_kernel(q, cos, sin)
+    q_out = torch.empty_like(q)                          # the layout the rotary kernel gives
+    group, block_t = q.shape[1] // heads, min(KV_BLOCK_T, next_power_of_2(T))
     if k.numel():
         write_kv_kernel[(B * heads, math.ceil(T / block_t), 2 + group)](
-            k, v, q_in, k if q is None else q_out, cos, sin, columns.contiguous(), keys, values, k_scale, v_scale, heads,
-            group, T, *k.stride()[:3], *v.stride()[:3], *q_in.stride()[:3], *(k if q is None else q_out).stride()[:3],
-            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *keys.stride()[:3], *values.stride(),
-            *k_scale.stride()[:2], KV_FP8=kv_fp8, FP8_MAX=fp8_max(KV_FP8_FORMAT), TINY=torch.finfo(torch.float32).tiny,
-            BLOCK_T=block_t, D=D, enable_fp_fusion=False)
+            k, v, q, q_out, cos, sin, columns.contiguous(), keys, values, k_scale, v_scale, heads, group, T,
+            *k.stride()[:3], *v.stride()[:3], *q.stride()[:3], *q_out.stride()[:3], cos.stride(0), cos.stride(1),
+            sin.stride(0), sin.stride(1), *keys.stride()[:3], *values.stride(), *k_scale.stride()[:2], KV_FP8=kv_fp8,
+            FP8_MAX=fp8_max(KV_FP8_FORMAT), TINY=torch.finfo(torch.float32).tiny, BLOCK_T=block_t, D=D,
+            enable_fp_fusion=False)
     return q_out
