@@ -77,8 +77,8 @@ def launch(command: list[str], log: Path, timeout_s: float) -> tuple[int | None,
 
 
 def rank_errors(log_text: str) -> list[str]:
-    "The exceptions the ranks raised (`[rankN]: SomeError: ...`), each once, in order: what a failed launch says."
-    found = re.findall(r"^(\[rank\d+\]: \w+(?:Error|Exception|Interrupt)\b.*)$", log_text, flags=re.MULTILINE)
+    "The exceptions the ranks raised (`[rankN]: torch.OutOfMemoryError: ...`), each once, in order."
+    found = re.findall(r"^(\[rank\d+\]: [\w.]*(?:Error|Exception|Interrupt)\b.*)$", log_text, flags=re.MULTILINE)
     return list(dict.fromkeys(found))
 
 
@@ -95,7 +95,8 @@ def main(argv=None):
     p.add_argument("rest", nargs="*", help="more grpo_step options, after --")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
-    if unknown := [x for x in parts if x not in ("single", "torchrun")]: p.error(f"unknown part {unknown[0]!r}: single or torchrun")
+    if unknown := [x for x in parts if x not in ("single", "torchrun")]:
+        p.error(f"unknown part {unknown[0]!r}: single or torchrun")
     if args.prompts_per_gpu < 1: p.error(f"--prompts-per-gpu {args.prompts_per_gpu}: give 1 or more")
     try:
         counts = process_counts(args.nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -104,7 +105,8 @@ def main(argv=None):
     logs.mkdir(parents=True, exist_ok=True)
     common = SHAPE + ["--steps", str(args.steps), "--strategies", args.strategies]
     # the same trainer on both sides: eager (graphs replay kernels, not FSDP's hooks)
-    launches = [("single", 1, [sys.executable, "-m", "benchmarks", "grpo_step", "--no-cuda-graphs"])] if "single" in parts else []
+    single = [sys.executable, "-m", "benchmarks", "grpo_step", "--no-cuda-graphs"]
+    launches = [("single", 1, single)] if "single" in parts else []
     launches += [("torchrun", n, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                                   "-m", "benchmarks", "grpo_step", "--distributed"]) for n in counts if "torchrun" in parts]
     driver, rows = command_line("grpo_step_torchrun", argv), []

@@ -64,3 +64,13 @@ def test_process_counts_read_all_and_refuse_what_the_host_cannot_run():
     for spec, devices, says in (("0", 8, "not a process count"), ("two", 8, "not a process count"),
                                 ("16", 8, "this host has 8 GPUs"), ("all", 0, "no GPU is visible")):
         with pytest.raises(ValueError, match=says): process_counts(spec, devices)
+
+
+def test_rank_errors_name_each_ranks_exception_once_qualified_or_not():
+    from benchmarks.grpo_step_torchrun import rank_errors
+    log = ("[rank1]: Traceback (most recent call last):\n[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n"
+           "[rank0]: FileNotFoundError: 'x' is not a local model folder\n"
+           "[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n"
+           "E1207 torch/distributed/elastic: failed (exitcode: 1)\n")
+    assert rank_errors(log) == ["[rank1]: torch.OutOfMemoryError: CUDA out of memory.",
+                                "[rank0]: FileNotFoundError: 'x' is not a local model folder"]
