@@ -237,6 +237,27 @@ def rotary():
         yield name, us_graph(both(rotate_half_kernel)), us_graph(both(torch_rotary)), 1 / ROTARY_MIN_SPEEDUP[name]
 
 
+# ---------------------------------------------------------------- the trainer's attention backward
+# Rows moved left to their first token (causal SDPA, no mask) against the masked backward it replaces: (rows, columns)
+# of a 7B micro-batch at 512 new tokens and of the 4,096-token step's, ragged left padding, 32 / 8 heads of 128
+ATTENTION_BACKWARD_SHAPES = ((16, 640), (2, 4650))
+ATTENTION_BACKWARD_MAX_TIME_RATIO = 1.0
+
+
+@check("attention_backward")
+def attention_backward():
+    from jetrl.kernels.attention import _attention_grads
+    torch.manual_seed(0)
+    for rows, T in ATTENTION_BACKWARD_SHAPES:
+        q, k, v = (bf16(rows, h, T, 128).requires_grad_() for h in (32, 8, 8))
+        d_out = bf16(rows, 32, T, 128)
+        valid = torch.arange(T, device="cuda")[None] >= torch.randint(0, T // 4, (rows, 1), device="cuda")
+        columns = torch.arange(T, device="cuda")
+        grads = lambda one_run: (lambda: _attention_grads(q, k, v, columns, valid, 128 ** -0.5, d_out, one_run))
+        yield f"{rows} x {T}, 32 / 8 heads of 128, bf16", us_graph(grads(True)), us_graph(grads(False)), \
+            ATTENTION_BACKWARD_MAX_TIME_RATIO
+
+
 # ---------------------------------------------------------------- the head: log-probs and entropy at a trainer chunk
 SELECTIVE_SHAPE = (4096, 151936)             # one chunk of the trainer's head by Qwen2's vocabulary
 SELECTIVE_MIN_SPEEDUP = 2.0                  # selective_log_softmax forward + backward vs torch's ops

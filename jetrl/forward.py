@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from .linear import producer_quantizer, offer_input_fp8, dy_producer_format
 from .kernels import (attend, InvariantRMSNorm, invariant_kernels_available, silu_mul, silu_mul_quantized,
-                           rotate_half_kernel, write_kv_cache, KVCodes, new_kv_codes)
+                           rotate_half_kernel, write_kv_cache, KVCodes, new_kv_codes, rows_are_one_run)
 
 # %% ../nbs/04a_forward.ipynb #a3025bf2
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -129,11 +129,12 @@ class StaticKVCache:
 # %% ../nbs/04a_forward.ipynb #8fb3ed8e
 def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.Tensor, key_valid: torch.Tensor,
                      cache_kv: tuple | None, invariant: bool, fused: bool = False, key_start: torch.Tensor | None = None,
-                     kv_fp8: bool = False) -> torch.Tensor:
+                     kv_fp8: bool = False, one_run: bool = False) -> torch.Tensor:
     """h (b, T, hidden) at key `columns` (T,) -> attention output. With `cache_kv` (`StaticKVCache.layer`) this step's
     keys and values are written into those columns of the cache first and the queries attend over the cache; without,
     over this call's own keys (the trainer's full sequence). `kv_fp8`: keys and values quantized per token and head
-    (`quantize_kv`) on both sides, the attention reading the codes. `key_start` (b,): each row's first valid column."""
+    (`quantize_kv`) on both sides, the attention reading the codes. `key_start` (b,): each row's first valid column.
+    `one_run`: the trainer's rows are each one run of tokens (`attend`'s backward may then take causal kernels)."""
     b, T, _ = h.shape
     heads_shape = (b, T, -1, attn.head_dim)
     qkv = attn.jetrl_fused_qkv(h) if fused and hasattr(attn, "jetrl_fused_qkv") else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
@@ -148,7 +149,7 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     else:                                                # the trainer: its own keys and values
         q, k = rotate_half_kernel(q, cos, sin), rotate_half_kernel(k, cos, sin)      # rotary embedding
         if kv_fp8: codes = KVCodes.quantize(k, v)        # the same quantizer as the engine's
-    out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes)
+    out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes, one_run)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
 def _normed(norm: nn.Module, h: torch.Tensor, consumers: list) -> torch.Tensor:
@@ -206,6 +207,10 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
     invariant = getattr(model, "jetrl_invariant_attention", False)
     kv_fp8 = getattr(model, "jetrl_kv_fp8", False)         # FP8 keys and values on both sides (`PrecisionSpec.kv_fp8`)
     key_start = first_valid_column(key_valid) if invariant else None     # once for every layer
+    # the trainer's backward: rows that are one run of tokens let the attention's backward drop its mask (one check,
+    # read back to the host, for every layer; not while a CUDA graph captures or torch.compile traces)
+    one_run = (cache is None and invariant and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+               and not (h.is_cuda and torch.cuda.is_current_stream_capturing()) and rows_are_one_run(key_valid))
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = torch.is_grad_enabled() and getattr(model, flag, False)       # model.gradient_checkpointing_enable()
     for i, layer in enumerate(body.layers):
@@ -213,7 +218,8 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
         def block(h, layer=layer, kv=kv):
             attn, mlp = layer.self_attn, layer.mlp
             normed = _normed(layer.input_layernorm, h, _siblings(attn, "jetrl_fused_qkv"))
-            h = h + _attention_block(attn, normed, cos, sin, columns, key_valid, kv, invariant, fused, key_start, kv_fp8)
+            h = h + _attention_block(attn, normed, cos, sin, columns, key_valid, kv, invariant, fused, key_start, kv_fp8,
+                                     one_run)
             return h + _mlp(mlp, _normed(layer.post_attention_layernorm, h, _siblings(mlp, "jetrl_fused_gate_up")), fused)
         # checkpointed, a layer saves no RNG state: it draws no random numbers (no dropout here), and a CUDA graph's
         # capture may not read that state

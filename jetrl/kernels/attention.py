@@ -9,8 +9,8 @@ __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION
            'KV_FP8_FORMAT', 'KV_BLOCK_T', 'KV_COLUMN_ALIGN', 'ROTARY_BLOCK_T', 'key_block', 'split_softmax',
            'first_key_block', 'merge_splits', 'attention_kernel', 'combine_splits_kernel', 'attention_invariant',
            'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into', 'quantize_kv',
-           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'attend', 'rotary_embedding_kernel', 'rotate_half_kernel',
-           'rotate_tile', 'write_kv_kernel', 'write_kv_cache']
+           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'rows_are_one_run', 'attend', 'rotary_embedding_kernel',
+           'rotate_half_kernel', 'rotate_tile', 'write_kv_kernel', 'write_kv_cache']
 
 # %% ../../nbs/00i_attention_kernels.ipynb #96dca6ef
 import math
@@ -359,15 +359,46 @@ def _sdpa(q, k, v, q_columns, key_valid, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_key_mask(key_valid, q_columns), scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
+def rows_are_one_run(key_valid: torch.Tensor) -> bool:
+    """Whether every row's valid columns (b, T) form one run: left padding, the tokens, right padding (a rollout's
+    sequences). Reads the answer back to the host (one synchronization)."""
+    T = key_valid.shape[1]
+    ones = key_valid.to(torch.int8)
+    first, last = ones.argmax(1), T - 1 - ones.flip(1).argmax(1)
+    count = ones.sum(1, dtype=torch.int32)
+    return bool(((count == 0) | (last - first + 1 == count)).all())
+
+def _move_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    "x (b, heads, T, d) with each row's columns taken in the order `index` (b, T)."
+    return x.gather(2, index[:, None, :, None].expand(x.shape[0], x.shape[1], -1, x.shape[3]))
+
+def _attention_grads(q, k, v, q_columns, key_valid, scale, d_out, one_run: bool = False):
+    """dq, dk, dv of `causal_key_mask`'s attention, recomputed by SDPA; a padding query (invalid column) passes no
+    gradient (every loss weighs it 0). `one_run` (the trainer's full sequences, queries at columns 0..T-1, each row's
+    valid columns one run: `rows_are_one_run`): each row is moved left by its first valid column, so the tokens sit
+    at columns 0..n-1 and the mask becomes plain causal; SDPA then takes its causal kernels (FlashAttention's, cuDNN's),
+    which skip the keys after each query where a mask makes them read every key. The same function; other roundings."""
+    d_out = d_out.masked_fill(~key_valid[:, q_columns.long()][:, None, :, None], 0)
+    if not one_run:
+        return torch.autograd.grad(_sdpa(q, k, v, q_columns, key_valid, scale), (q, k, v), d_out)
+    T = q.shape[2]
+    columns = torch.arange(T, device=q.device)
+    start = key_valid.to(torch.int8).argmax(1)                          # each row's first valid column
+    to_aligned, back = (columns[None] + start[:, None]) % T, (columns[None] - start[:, None]) % T
+    q_, k_, v_ = (_move_columns(t, to_aligned) for t in (q, k, v))    # left padding wraps to the end: after every token
+    out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return tuple(_move_columns(g, back) for g in torch.autograd.grad(out, (q_, k_, v_), _move_columns(d_out, to_aligned)))
+
 class _AttentionFunction(torch.autograd.Function):
     """Forward by the query-invariant kernel; backward through SDPA on the same mask and the same keys and values
-    (FP8 ones dequantized), recomputed. With FP8 keys and values, k and v take their gradient straight through."""
+    (FP8 ones dequantized), recomputed (`_attention_grads`). With FP8 keys and values, k and v take their gradient
+    straight through."""
     @staticmethod
-    def forward(ctx, q, k, v, q_columns, key_valid, scale, key_start, codes):
+    def forward(ctx, q, k, v, q_columns, key_valid, scale, key_start, codes, one_run):
         kv = (k, v) if codes is None else (codes.k, codes.v)
         scales = (None, None) if codes is None else (codes.k_scale, codes.v_scale)
         ctx.save_for_backward(q, *kv, *(s for s in scales if s is not None), q_columns, key_valid)
-        ctx.scale, ctx.fp8 = scale, codes is not None
+        ctx.scale, ctx.fp8, ctx.one_run = scale, codes is not None, one_run
         return attention_invariant(q, *kv, q_columns, key_valid, scale, key_start, *scales)
 
     @staticmethod
@@ -378,9 +409,9 @@ class _AttentionFunction(torch.autograd.Function):
         else: q, k, v, q_columns, key_valid = ctx.saved_tensors
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-            dq, dk, dv = torch.autograd.grad(_sdpa(q_, k_, v_, q_columns, key_valid, ctx.scale), (q_, k_, v_), d_out)
+            dq, dk, dv = _attention_grads(q_, k_, v_, q_columns, key_valid, ctx.scale, d_out, ctx.one_run)
         needs = ctx.needs_input_grad
-        return dq, dk if needs[1] else None, dv if needs[2] else None, None, None, None, None, None
+        return dq, dk if needs[1] else None, dv if needs[2] else None, None, None, None, None, None, None
 
 class _StraightThrough(torch.autograd.Function):
     "The quantized values forward, the gradient to the high-precision ones unchanged (as every FP8 activation's)."
@@ -392,14 +423,18 @@ class _StraightThrough(torch.autograd.Function):
 
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_columns: torch.Tensor,
            key_valid: torch.Tensor, scale: float, invariant: bool = False, key_start: torch.Tensor | None = None,
-           codes: KVCodes | None = None) -> torch.Tensor:
+           codes: KVCodes | None = None, one_run: bool = False) -> torch.Tensor:
     """Attention of q (b, heads, Tq, d) over k, v (b, kv_heads, Tk, d): `causal_key_mask` rules which keys a query sees.
     invariant: the query-invariant kernel (a query's bits do not depend on how many queries run with it), where it can
     run; else PyTorch's SDPA. key_start (b,): each row's first valid column (the kernel skips the padding before it).
     codes: the attention reads these FP8 keys and values instead (k and v, where given, get the gradient straight
-    through: the trainer's; the engine passes its cache's codes alone)."""
+    through: the trainer's; the engine passes its cache's codes alone). one_run: the queries are columns 0..T-1 and
+    every row's valid columns are one run (`rows_are_one_run`): the kernel's backward may take causal SDPA kernels."""
+    if one_run and q.shape[2] != key_valid.shape[1]:
+        raise ValueError(f"attend(one_run=True) takes the queries of every column (Tq = Tk): got Tq {q.shape[2]}, "
+                         f"Tk {key_valid.shape[1]}.")
     if invariant and invariant_kernels_available(q.device):
-        return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale, key_start, codes)
+        return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale, key_start, codes, one_run)
     if codes is not None:
         k8, v8 = codes.dequantize(torch.float32)            # exact: codes times scales, as the kernel's products
         if k is not None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
