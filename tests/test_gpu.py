@@ -11,6 +11,7 @@ from jetrl.options import KernelOptions, use_kernel_options
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                           reason="needs a Hopper GPU (real FP8 blockwise GEMMs)")
+pytestmark = cuda          # every test here, decorated or not: a CPU run (CI) skips the whole module
 
 # The kernel and the emulation multiply the same FP8 values and accumulate in fp32; only the order of the
 # sum differs (and, for Hopper's FP8 tensor cores, a partial-sum precision of about fp32 with periodic
@@ -416,6 +417,7 @@ def test_attention_backward_over_rows_moved_left_is_as_accurate_as_the_masked_on
         assert not a.isnan().any()
 
 
+@cuda
 @pytest.mark.parametrize("strategy", ["jet", "jet-fp8kv"])
 def test_long_rollout_engine_equals_trainer_bitwise(strategy, capsys):
     """jet and jet-fp8kv (FP8 KV cache on both sides, its products in fp16), default kernels, at depth and length: 24
