@@ -258,6 +258,32 @@ def attention_backward():
             ATTENTION_BACKWARD_MAX_TIME_RATIO
 
 
+# ---------------------------------------------------------------- a BF16 trainer's attention
+# A trainer that need not match the engine (BF16) moves its rows left and attends without a mask (plain causal SDPA)
+# where it ran the engine's query-invariant kernel forward and the masked SDPA backward; shapes as above
+BF16_TRAINER_ATTENTION_MAX_TIME_RATIO = {"forward": 0.5, "forward + backward": 0.8}
+
+
+@check("bf16_trainer_attention")
+def bf16_trainer_attention():
+    from jetrl.kernels.attention import attend
+    torch.manual_seed(0)
+    for rows, T in ATTENTION_BACKWARD_SHAPES:
+        q, k, v = (bf16(rows, h, T, 128).requires_grad_() for h in (32, 8, 8))
+        d_out = bf16(rows, 32, T, 128)
+        columns = torch.arange(T, device="cuda")
+        start = torch.randint(0, T // 4, (rows,), device="cuda")
+        valid = columns[None] >= start[:, None]                                   # the rows as the engine holds them
+        moved_valid = columns[None] < (T - start)[:, None]                         # the same rows moved left
+        scale = 128 ** -0.5
+        plain = lambda: attend(q, k, v, columns, moved_valid, scale, plain_causal=True)
+        engines = lambda: attend(q, k, v, columns, valid, scale, True, start.int(), one_run=True)
+        grads = lambda f: (lambda: torch.autograd.grad(f(), (q, k, v), d_out))
+        for what, timed in (("forward", lambda f: f), ("forward + backward", grads)):
+            yield f"{rows} x {T}, 32 / 8 heads of 128, {what}", us_graph(timed(plain)), us_graph(timed(engines)), \
+                BF16_TRAINER_ATTENTION_MAX_TIME_RATIO[what]
+
+
 # ---------------------------------------------------------------- the head: log-probs and entropy at a trainer chunk
 SELECTIVE_SHAPE = (4096, 151936)             # one chunk of the trainer's head by Qwen2's vocabulary
 SELECTIVE_MIN_SPEEDUP = 2.0                  # selective_log_softmax forward + backward vs torch's ops

@@ -6,7 +6,8 @@ Docs: https://jetrl.github.io/jetrl/forward.html.md"""
 
 # %% auto #0
 __all__ = ['STATIC_MODEL_TYPES', 'SIBLING_LINEARS', 'static_decode_unsupported', 'check_cache_fits', 'StaticKVCache',
-           'first_valid_column', 'decoder_forward', 'sequence_forward']
+           'trainer_matches_engine', 'trainer_moves_rows_left', 'first_valid_column', 'decoder_forward',
+           'sequence_forward']
 
 # %% ../nbs/04a_forward.ipynb #691c89d0
 import math
@@ -129,12 +130,13 @@ class StaticKVCache:
 # %% ../nbs/04a_forward.ipynb #8fb3ed8e
 def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.Tensor, key_valid: torch.Tensor,
                      cache_kv: tuple | None, invariant: bool, fused: bool = False, key_start: torch.Tensor | None = None,
-                     kv_fp8: bool = False, one_run: bool = False) -> torch.Tensor:
+                     kv_fp8: bool = False, one_run: bool = False, plain_causal: bool = False) -> torch.Tensor:
     """h (b, T, hidden) at key `columns` (T,) -> attention output. With `cache_kv` (`StaticKVCache.layer`) this step's
     keys and values are written into those columns of the cache first and the queries attend over the cache; without,
     over this call's own keys (the trainer's full sequence). `kv_fp8`: keys and values quantized per token and head
     (`quantize_kv`) on both sides, the attention reading the codes. `key_start` (b,): each row's first valid column.
-    `one_run`: the trainer's rows are each one run of tokens (`attend`'s backward may then take causal kernels)."""
+    `one_run`: the trainer's rows are each one run of tokens (`attend`'s backward may then take causal kernels).
+    `plain_causal`: the trainer's rows moved left to their first token (`sequence_forward`): plain causal attention."""
     b, T, _ = h.shape
     heads_shape = (b, T, -1, attn.head_dim)
     qkv = attn.jetrl_fused_qkv(h) if fused and hasattr(attn, "jetrl_fused_qkv") else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
@@ -149,7 +151,7 @@ def _attention_block(attn: nn.Module, h: torch.Tensor, cos, sin, columns: torch.
     else:                                                # the trainer: its own keys and values
         q, k = rotate_half_kernel(q, cos, sin), rotate_half_kernel(k, cos, sin)      # rotary embedding
         if kv_fp8: codes = KVCodes.quantize(k, v)        # the same quantizer as the engine's
-    out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes, one_run)
+    out = attend(q, k, v, columns, key_valid, attn.scaling, invariant, key_start, codes, one_run, plain_causal)
     return attn.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
 def _normed(norm: nn.Module, h: torch.Tensor, consumers: list) -> torch.Tensor:
@@ -194,23 +196,46 @@ def _mlp(mlp: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     return mlp.down_proj(y)
 
 # %% ../nbs/04a_forward.ipynb #f16065b4
+def trainer_matches_engine(model: nn.Module) -> bool:
+    """Whether the trainer's forward must give the engine's bits (`Policy` sets `model.jetrl_trainer_matches_engine`):
+    under `exact`, and in the unified FP8 flow, whose linears are batch-invariant on both sides. A BF16 trainer's
+    linears differ from the engine's with the batch's shape anyway, so its attention need not be the engine's kernel.
+    A model no `Policy` set up is taken to match (the engine's kernels on both sides)."""
+    return getattr(model, "jetrl_trainer_matches_engine", True)
+
+def _may_sync(t: torch.Tensor) -> bool:
+    "Whether a check may read a value back to the host here: not while a CUDA graph captures or torch.compile traces."
+    return not torch.compiler.is_compiling() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+def trainer_moves_rows_left(model: nn.Module, key_valid: torch.Tensor) -> bool:
+    """Whether `sequence_forward` moves each row left to its first token and attends with plain causal kernels (SDPA's
+    cuDNN and FlashAttention ones, which skip the keys after each query where a mask reads them all): for a trainer
+    that need not match the engine (`trainer_matches_engine`), keys and values in high precision, every row of
+    `key_valid` (b, T) one run of tokens (a rollout's: left padding, tokens, right padding; `rows_are_one_run`, one
+    read back to the host), and only where that read may happen (`_may_sync`)."""
+    if trainer_matches_engine(model) or getattr(model, "jetrl_kv_fp8", False) or not _may_sync(key_valid): return False
+    return rows_are_one_run(key_valid)
+
 def first_valid_column(key_valid: torch.Tensor) -> torch.Tensor:
     "(b,) int32: each row's first valid key column (0 for a row with none): the left padding the attention may skip."
     return key_valid.to(torch.int8).argmax(1).to(torch.int32)
 
 def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, key_valid: torch.Tensor,
-            cache: "StaticKVCache | None" = None, upto: int | None = None, fused: bool = False) -> torch.Tensor:
+            cache: "StaticKVCache | None" = None, upto: int | None = None, fused: bool = False,
+            plain_causal: bool = False) -> torch.Tensor:
     """The decoder layers over h (b, T, hidden): the one body of the rollout's step and the trainer's forward.
-    `fused`: q/k/v and gate/up as one GEMM each where the engine made a `FusedProjection` (the rollout only)."""
+    `fused`: q/k/v and gate/up as one GEMM each where the engine made a `FusedProjection` (the rollout only).
+    `plain_causal`: the trainer's rows moved left to their first token (`sequence_forward`), attended without a mask."""
     body, b = model.model, h.shape[0]
     cos, sin = body.rotary_emb(h, positions)
-    invariant = getattr(model, "jetrl_invariant_attention", False)
+    # the engine's attention kernel, query-invariant, in the engine always and in a trainer that must match its bits
+    invariant = getattr(model, "jetrl_invariant_attention", False) and (cache is not None or trainer_matches_engine(model))
     kv_fp8 = getattr(model, "jetrl_kv_fp8", False)         # FP8 keys and values on both sides (`PrecisionSpec.kv_fp8`)
     key_start = first_valid_column(key_valid) if invariant else None     # once for every layer
     # the trainer's backward: rows that are one run of tokens let the attention's backward drop its mask (one check,
     # read back to the host, for every layer; not while a CUDA graph captures or torch.compile traces)
-    one_run = (cache is None and invariant and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-               and not (h.is_cuda and torch.cuda.is_current_stream_capturing()) and rows_are_one_run(key_valid))
+    one_run = (cache is None and invariant and torch.is_grad_enabled() and _may_sync(h)
+               and rows_are_one_run(key_valid))
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = torch.is_grad_enabled() and getattr(model, flag, False)       # model.gradient_checkpointing_enable()
     for i, layer in enumerate(body.layers):
@@ -219,7 +244,7 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
             attn, mlp = layer.self_attn, layer.mlp
             normed = _normed(layer.input_layernorm, h, _siblings(attn, "jetrl_fused_qkv"))
             h = h + _attention_block(attn, normed, cos, sin, columns, key_valid, kv, invariant, fused, key_start, kv_fp8,
-                                     one_run)
+                                     one_run, plain_causal)
             return h + _mlp(mlp, _normed(layer.post_attention_layernorm, h, _siblings(mlp, "jetrl_fused_gate_up")), fused)
         # checkpointed, a layer saves no RNG state: it draws no random numbers (no dropout here), and a CUDA graph's
         # capture may not read that state
@@ -239,8 +264,18 @@ def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor
 def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The trainer's forward of whole sequences (b, T) through the same layers as the rollout's step: the hidden
     states after the final norm, (b, T, hidden) (the caller applies lm_head, in chunks). Token t sits at key column
-    t, as in the engine's cache, so a token sees the same keys on both sides."""
+    t, as in the engine's cache, so a token sees the same keys on both sides. Where the trainer need not give the
+    engine's bits (`trainer_moves_rows_left`), each row moves left to its first token for the layers (its left padding
+    wrapped to the end, after every token) and back after them: the same function at every real token, attention
+    without a mask. A padding query, which would now see its row, comes out as zeros there (no gradient reaches the
+    row through it; with the mask it saw only itself)."""
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
-    h = _layers(model, model.model.embed_tokens(input_ids), positions, columns, attention_mask.bool())
-    return model.model.norm(h)
+    T, valid = input_ids.shape[1], attention_mask.bool()
+    columns = torch.arange(T, device=input_ids.device)
+    if not trainer_moves_rows_left(model, valid):
+        return model.model.norm(_layers(model, model.model.embed_tokens(input_ids), positions, columns, valid))
+    start = first_valid_column(valid).long()[:, None]
+    to_left, back = (columns + start) % T, (columns - start) % T                 # (b, T) column maps, each the other's inverse
+    ids, positions, moved_valid = (t.gather(1, to_left) for t in (input_ids, positions, valid))
+    h = _layers(model, model.model.embed_tokens(ids), positions, columns, moved_valid, plain_causal=True)
+    return model.model.norm(h.gather(1, back[..., None].expand_as(h)).masked_fill(~valid[..., None], 0))

@@ -196,6 +196,7 @@ def assert_engine_matches(policy, train_weights):
 def test_fp8_rollout_training_side_is_the_unconverted_model(family, tie):
     model = tiny_model(family, tie)
     reference = copy.deepcopy(model)
+    reference.jetrl_trainer_matches_engine = False       # a BF16 trainer's forward: rows moved left (jetrl.forward)
     policy = Policy(model, strategy="fp8-rollout", device="cpu")
     ids, mask = left_padded_batch()
     assert torch.equal(train_log_probs(policy, ids, mask), token_log_probs(reference, ids, mask))   # grad enabled
@@ -511,6 +512,42 @@ def test_left_padding_changes_nothing(family, tie):
         assert (leaked[2:, 9:] - padded[2:, 9:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("strategy, moves", [("bf16", True), ("fp8-rollout", True), ("jet", False), ("jet-fp8kv", False)])
+def test_a_bf16_trainer_moves_rows_left_with_the_same_log_probs_and_gradients(strategy, moves):
+    """A trainer that need not give the engine's bits (BF16 linears) moves each row left to its first token and attends
+    with plain causal kernels (`trainer_moves_rows_left`); a unified-FP8 one never does. Moved or not, the log-probs and
+    the gradients of the real tokens are the same function (fp32 on the CPU: within 1e-5; a row moved by a wrong amount,
+    or a pad seen as a key, moves them by > 1e-3, checked below)."""
+    from jetrl.forward import trainer_moves_rows_left
+    policy = Policy(tiny_model("qwen2", False), None, strategy, device="cpu")
+    ids, mask = left_padded_batch()
+    ids, mask = ids.clone(), mask.clone()
+    ids[0, 17:], mask[0, 17:] = 0, 0                                     # right padding too, as a rollout's rows have
+    assert trainer_moves_rows_left(policy.model, mask.bool()) == moves
+    holes = mask.clone(); holes[0, 8] = 0                                 # a row that is not one run: never moved
+    assert not trainer_moves_rows_left(policy.model, holes.bool())
+    real = mask[:, 1:].bool() & mask[:, :-1].bool()                       # real tokens predicted from real ones
+    def log_probs_and_grads(matches_engine):
+        policy.model.jetrl_trainer_matches_engine = matches_engine
+        policy.model.zero_grad()
+        lp = train_log_probs(policy, ids, mask)
+        (lp * real).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in policy.model.parameters() if p.grad is not None]
+    matches = policy.model.jetrl_trainer_matches_engine
+    moved, masked = log_probs_and_grads(matches), log_probs_and_grads(True)
+    torch.testing.assert_close(moved[0][real], masked[0][real], rtol=0, atol=1e-5)
+    for a, b in zip(moved[1], masked[1]): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    policy.model.jetrl_trainer_matches_engine = matches
+    if moves:                                           # the check has teeth: rows moved one column too few
+        import jetrl.forward as forward
+        real_first = forward.first_valid_column
+        try:
+            forward.first_valid_column = lambda valid: (real_first(valid) - 1).clamp(min=0)
+            with torch.no_grad(): wrong = train_log_probs(policy, ids, mask)
+        finally: forward.first_valid_column = real_first
+        assert (wrong[real] - masked[0][real]).abs().max() > 1e-3
+
+
 def test_graphed_log_probs_explain_what_they_need():
     "CUDA graphs need a GPU model: on the CPU a clear error that names the eager function to call instead."
     from jetrl.policy import GraphedLogProbs
@@ -672,7 +709,9 @@ def test_padding_moves_wgrad_groups_not_bf16():
     worst = {}
     for strategy in ("bf16", "jet"):
         (logp, grads), (logp_padded, grads_padded) = run(strategy, ids, mask), run(strategy, pad(ids), pad(mask))
-        assert (logp - logp_padded).abs().max() <= 1e-4, strategy     # the forward never reads the padding (the CPU's
+        real = mask[:, :99].bool()                                      # log-probs read at real queries (a BF16 trainer's
+        assert (logp - logp_padded)[real].abs().max() <= 1e-4, strategy  # pad queries see the row: its rows move left);
+                                                                         # the forward never reads the padding (the CPU's
                                                                          # matmuls may round other widths differently)
         worst[strategy] = max(((grads[n] - grads_padded[n]).norm() / grads[n].norm()).item() for n in grads)
     assert worst["bf16"] <= 1e-5, worst                                    # float rounding only

@@ -423,16 +423,23 @@ class _StraightThrough(torch.autograd.Function):
 
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_columns: torch.Tensor,
            key_valid: torch.Tensor, scale: float, invariant: bool = False, key_start: torch.Tensor | None = None,
-           codes: KVCodes | None = None, one_run: bool = False) -> torch.Tensor:
+           codes: KVCodes | None = None, one_run: bool = False, plain_causal: bool = False) -> torch.Tensor:
     """Attention of q (b, heads, Tq, d) over k, v (b, kv_heads, Tk, d): `causal_key_mask` rules which keys a query sees.
     invariant: the query-invariant kernel (a query's bits do not depend on how many queries run with it), where it can
     run; else PyTorch's SDPA. key_start (b,): each row's first valid column (the kernel skips the padding before it).
     codes: the attention reads these FP8 keys and values instead (k and v, where given, get the gradient straight
     through: the trainer's; the engine passes its cache's codes alone). one_run: the queries are columns 0..T-1 and
-    every row's valid columns are one run (`rows_are_one_run`): the kernel's backward may take causal SDPA kernels."""
-    if one_run and q.shape[2] != key_valid.shape[1]:
-        raise ValueError(f"attend(one_run=True) takes the queries of every column (Tq = Tk): got Tq {q.shape[2]}, "
+    every row's valid columns are one run (`rows_are_one_run`): the kernel's backward may take causal SDPA kernels.
+    plain_causal: each row's tokens sit at columns 0..n-1 and the queries are every column (a trainer's rows moved left
+    to their first token, `jetrl.forward.sequence_forward`): a valid query sees exactly the keys up to its own column,
+    so no mask is needed and SDPA takes its causal kernels (cuDNN's, FlashAttention's), forward and backward. Not the
+    invariant kernel's bits: for a trainer that need not match the engine's."""
+    if (one_run or plain_causal) and q.shape[2] != key_valid.shape[1]:
+        raise ValueError(f"attend(one_run=True or plain_causal=True) takes the queries of every column (Tq = Tk): got Tq {q.shape[2]}, "
                          f"Tk {key_valid.shape[1]}.")
+    if plain_causal:
+        if codes is not None: raise ValueError("attend(plain_causal=True) reads high-precision keys and values, not FP8 codes.")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if invariant and invariant_kernels_available(q.device):
         return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale, key_start, codes, one_run)
     if codes is not None:
