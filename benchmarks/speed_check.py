@@ -244,15 +244,21 @@ ATTENTION_BACKWARD_SHAPES = ((16, 640), (2, 4650))
 ATTENTION_BACKWARD_MAX_TIME_RATIO = {(16, 640): 1.0, (2, 4650): 0.5}     # measured 0.91 and 0.35 (benchmarks/README)
 
 
+def trainer_attention_inputs(rows: int, T: int):
+    """q, k, v (32 / 8 heads of 128, bf16, with grad), d_out, the columns, each row's first valid column (ragged left
+    padding of up to a quarter of the row) and the valid columns, as the trainer's attention sees a rollout's rows."""
+    q, k, v = (bf16(rows, h, T, 128).requires_grad_() for h in (32, 8, 8))
+    columns = torch.arange(T, device="cuda")
+    start = torch.randint(0, T // 4, (rows,), device="cuda")
+    return q, k, v, bf16(rows, 32, T, 128), columns, start, columns[None] >= start[:, None]
+
+
 @check("attention_backward")
 def attention_backward():
     from jetrl.kernels.attention import _attention_grads
     torch.manual_seed(0)
     for rows, T in ATTENTION_BACKWARD_SHAPES:
-        q, k, v = (bf16(rows, h, T, 128).requires_grad_() for h in (32, 8, 8))
-        d_out = bf16(rows, 32, T, 128)
-        valid = torch.arange(T, device="cuda")[None] >= torch.randint(0, T // 4, (rows, 1), device="cuda")
-        columns = torch.arange(T, device="cuda")
+        q, k, v, d_out, columns, _, valid = trainer_attention_inputs(rows, T)
         grads = lambda one_run: (lambda: _attention_grads(q, k, v, columns, valid, 128 ** -0.5, d_out, one_run))
         yield f"{rows} x {T}, 32 / 8 heads of 128, bf16", us_graph(grads(True)), us_graph(grads(False)), \
             ATTENTION_BACKWARD_MAX_TIME_RATIO[rows, T]
@@ -269,11 +275,7 @@ def bf16_trainer_attention():
     from jetrl.kernels.attention import attend
     torch.manual_seed(0)
     for rows, T in ATTENTION_BACKWARD_SHAPES:
-        q, k, v = (bf16(rows, h, T, 128).requires_grad_() for h in (32, 8, 8))
-        d_out = bf16(rows, 32, T, 128)
-        columns = torch.arange(T, device="cuda")
-        start = torch.randint(0, T // 4, (rows,), device="cuda")
-        valid = columns[None] >= start[:, None]                                   # the rows as the engine holds them
+        q, k, v, d_out, columns, start, valid = trainer_attention_inputs(rows, T)    # the rows as the engine holds them
         moved_valid = columns[None] < (T - start)[:, None]                         # the same rows moved left
         scale = 128 ** -0.5
         plain = lambda: attend(q, k, v, columns, moved_valid, scale, plain_causal=True)
