@@ -1145,3 +1145,33 @@ def test_weight_quantizer_kernel_keeps_nan_and_inf_visible(fmt):
         w = torch.randn(256, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
         w[5, 7] = w[140, 10] = float("nan"); w[130, 200], w[200, 290] = float("inf"), -float("inf")
         assert_same_fp8_but_nan_signs(quantize_128x128(w.cuda(), fmt), quantize_unchecked(w, (128, 128), fmt))
+
+
+@cuda
+@pytest.mark.parametrize("strategy", ["bf16", "jet", "jet-fp8kv"])
+def test_a_dropped_strategy_leaves_no_gpu_memory(strategy):
+    """One GRPO step as the benchmark runs it (engine, AdamW, the trainer's CUDA graphs), then everything dropped: the
+    GPU memory allocated returns to what it was (a notebook comparing strategies, or `grpo_step` running them one after
+    the other in a process, must not carry one strategy's model, cache or graphs into the next)."""
+    import gc, weakref
+    from benchmarks.grpo_step import grpo_step
+    from jetrl.policy import GraphedLogProbs
+    from jetrl.rollout import RolloutEngine, SamplingParams
+    def one_step():
+        policy = _qwen2_05b_policy(strategy, exact=False, layers=4)
+        policy.model.train()
+        engine = RolloutEngine(policy, chat_template=False)
+        optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
+        prompts = torch.randint(10, 1000, (4, 64), generator=torch.Generator().manual_seed(1)).tolist()
+        params = SamplingParams(n=4, max_new_tokens=64, seed=0, ignore_eos=True)
+        grpo_step(policy, engine, optimizer, prompts, params, 8, torch.Generator().manual_seed(2),
+                  graphed=GraphedLogProbs(policy.model))
+        return weakref.ref(policy.model), weakref.ref(engine)
+    one_step()                              # once first: what the kernels keep for good (compiled kernels, workspaces)
+    gc.collect(); torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    model, engine = one_step()
+    gc.collect(); torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() - before
+    assert model() is None and engine() is None, "the policy's model or its engine outlived the step"
+    assert left <= 2**20, f"{left / 2**20:.1f} MiB still allocated after the strategy was dropped"
