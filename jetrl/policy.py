@@ -64,7 +64,8 @@ class Policy:
         device = torch.device(device or next(model.parameters()).device)
         dtype = HP_DTYPES[self.spec.hp_dtype] if self.spec.hp_dtype else default_hp_dtype(device)
         self.model = convert_to_fp8(model.to(device=device, dtype=dtype), self.spec.train_recipe, _keep_filter(self.spec))
-        # the kernels both sides share: row-invariant RMSNorm always; with `exact`, matmul and attention too (GPU)
+        # the kernels both sides share: row-invariant RMSNorm and the engine's attention kernel always; with `exact`, the
+        # high-precision matmuls too (GPU)
         use_invariant_kernels(self.model, exact)
         self.model.jetrl_kv_fp8 = self.spec.kv_fp8           # read by the forward both sides run (`jetrl.forward`)
         # the trainer gives the engine's bits where both sides' linears are batch-invariant: exact, or the unified FP8

@@ -1037,3 +1037,33 @@ def test_fp8_kv_attention_takes_queries_beyond_fp16s_range(gpu_casts):
     assert torch.isfinite(out).all()
     clamped = attend(q.clamp(max=65504), None, None, columns, valid, D ** -0.5, True, None, codes)
     assert torch.equal(out, clamped)
+
+
+@pytest.mark.parametrize("layout", ["heads-major", "token-major"])
+def test_attention_backward_over_rows_moved_left_equals_the_masked_one(layout, monkeypatch):
+    """`_attention_grads(one_run=True)` moves each row left to its first token and takes plain causal SDPA; in float64
+    its dq, dk, dv equal the masked backward's (1e-10) for rows with left padding, right padding, both, none and no
+    token at all, whichever layout q, k, v and d_out come in (the trainer's are token-major). A row moved by one column
+    too few, or a pad seen as a key, changes them by far more (checked)."""
+    from jetrl.kernels.attention import _attention_grads, rows_are_one_run
+    import jetrl.kernels.attention as attention
+    torch.manual_seed(0)
+    b, T, D = 5, 12, 8
+    valid = torch.ones(b, T, dtype=torch.bool)
+    valid[0, :4] = False; valid[1, 9:] = False; valid[2, :2] = False; valid[2, 10:] = False; valid[4] = False
+    assert rows_are_one_run(valid)
+    holes = valid.clone(); holes[3, 5] = False
+    assert not rows_are_one_run(holes)
+    def tensor(heads):
+        t = torch.randn(b, heads, T, D, dtype=torch.float64) if layout == "heads-major" else \
+            torch.randn(b, T, heads, D, dtype=torch.float64).transpose(1, 2)
+        return t.requires_grad_()
+    q, k, v, d_out = tensor(4), tensor(2), tensor(2), tensor(4).detach()
+    columns = torch.arange(T)
+    masked = _attention_grads(q, k, v, columns, valid, D ** -0.5, d_out)
+    moved = _attention_grads(q, k, v, columns, valid, D ** -0.5, d_out, one_run=True)
+    for m, a in zip(masked, moved): torch.testing.assert_close(a, m, rtol=0, atol=1e-10)
+    real_move = attention._move_columns
+    monkeypatch.setattr(attention, "_move_columns", lambda x, index: real_move(x, (index - 1) % T))    # one column short
+    wrong = _attention_grads(q, k, v, columns, valid, D ** -0.5, d_out, one_run=True)
+    assert max((w - m).abs().max().item() for w, m in zip(wrong, masked)) > 1e-3

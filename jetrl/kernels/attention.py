@@ -369,8 +369,15 @@ def rows_are_one_run(key_valid: torch.Tensor) -> bool:
     return bool(((count == 0) | (last - first + 1 == count)).all())
 
 def _move_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    "x (b, heads, T, d) with each row's columns taken in the order `index` (b, T)."
-    return x.gather(2, index[:, None, :, None].expand(x.shape[0], x.shape[1], -1, x.shape[3]))
+    """x (b, heads, T, d) with each row's columns taken in the order `index` (b, T). A column is one token's heads x d
+    values, which the trainer's q, k, v and their gradients hold together ((b, T, heads, d) storage, seen transposed):
+    the move is one gather of whole tokens, each a contiguous run of bytes (x in another layout is copied into that one
+    first). The result is in the same layout."""
+    b, heads, T, d = x.shape
+    tokens = x.transpose(1, 2)
+    if not tokens.is_contiguous(): tokens = tokens.contiguous()
+    rows = (index + T * torch.arange(b, device=index.device)[:, None]).reshape(-1)      # (b * T,) into the flat tokens
+    return tokens.reshape(b * T, heads * d).index_select(0, rows).view(b, T, heads, d).transpose(1, 2)
 
 def _attention_grads(q, k, v, q_columns, key_valid, scale, d_out, one_run: bool = False):
     """dq, dk, dv of `causal_key_mask`'s attention, recomputed by SDPA; a padding query (invalid column) passes no
