@@ -1147,6 +1147,9 @@ def test_weight_quantizer_kernel_keeps_nan_and_inf_visible(fmt):
         assert_same_fp8_but_nan_signs(quantize_128x128(w.cuda(), fmt), quantize_unchecked(w, (128, 128), fmt))
 
 
+LEFT_AFTER_A_DROPPED_STRATEGY = 64 * 2**20
+
+
 @cuda
 @pytest.mark.parametrize("strategy", ["bf16", "jet", "jet-fp8kv"])
 def test_a_dropped_strategy_leaves_no_gpu_memory(strategy):
@@ -1174,4 +1177,6 @@ def test_a_dropped_strategy_leaves_no_gpu_memory(strategy):
     gc.collect(); torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated() - before
     assert model() is None and engine() is None, "the policy's model or its engine outlived the step"
-    assert left <= 2**20, f"{left / 2**20:.1f} MiB still allocated after the strategy was dropped"
+    # what may stay: cuBLAS's workspace for a stream it had not met (a few MiB); what would be a leak is far larger (the
+    # model's embedding alone is 272 MB, the trainer graphs' pool holds the micro-batch's logits, 16 x 128 x 151,936 fp32)
+    assert left <= LEFT_AFTER_A_DROPPED_STRATEGY, f"{left / 2**20:.1f} MiB still allocated after the strategy was dropped"
