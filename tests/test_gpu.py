@@ -1177,6 +1177,6 @@ def test_a_dropped_strategy_leaves_no_gpu_memory(strategy):
     gc.collect(); torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated() - before
     assert model() is None and engine() is None, "the policy's model or its engine outlived the step"
-    # what may stay: cuBLAS's workspace for a stream it had not met (a few MiB); what would be a leak is far larger (the
-    # model's embedding alone is 272 MB, the trainer graphs' pool holds the micro-batch's logits, 16 x 128 x 151,936 fp32)
+    # what may stay: cuBLAS's workspace for a stream it had not met (a few MiB); a leak of the model is far larger (its
+    # embedding alone, 151,936 x 896 bf16, is 272 MB)
     assert left <= LEFT_AFTER_A_DROPPED_STRATEGY, f"{left / 2**20:.1f} MiB still allocated after the strategy was dropped"
