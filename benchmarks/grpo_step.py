@@ -132,6 +132,8 @@ def run_all(args, argv):
                                    ignore_eos=True)
     for mode in args.modes.split(","):
         for strategy in args.strategies.split(","):
+            # what an earlier strategy of this process left allocated (0 unless something outlived it)
+            allocated_at_start = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
             model, tokenizer = build(args.model, torch.bfloat16)
             if args.layers: model.model.layers = model.model.layers[:args.layers]; model.config.num_hidden_layers = args.layers
             if args.checkpointing: model.gradient_checkpointing_enable()
@@ -173,6 +175,7 @@ def run_all(args, argv):
                         trainer_cuda_graphs=args.cuda_graphs, entropy=args.entropy,
                         release_rollout_memory=args.release_rollout_memory,
                         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                        allocated_at_start_gb=allocated_at_start,
                         gpus=world.size if world else 1, launcher="torchrun" if world else "single",
                         sync_format=args.sync_format if world else None)
             row = make_row("grpo_step", row, argv, device, launcher=launcher)
