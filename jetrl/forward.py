@@ -229,7 +229,8 @@ def _layers(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, columns:
     body, b = model.model, h.shape[0]
     cos, sin = body.rotary_emb(h, positions)
     # the engine's attention kernel, query-invariant, in the engine always and in a trainer that must match its bits
-    invariant = getattr(model, "jetrl_invariant_attention", False) and (cache is not None or trainer_matches_engine(model))
+    invariant = getattr(model, "jetrl_invariant_attention", False) and (cache is not None
+                                                                       or trainer_matches_engine(model))
     kv_fp8 = getattr(model, "jetrl_kv_fp8", False)         # FP8 keys and values on both sides (`PrecisionSpec.kv_fp8`)
     key_start = first_valid_column(key_valid) if invariant else None     # once for every layer
     # the trainer's backward: rows that are one run of tokens let the attention's backward drop its mask (one check,

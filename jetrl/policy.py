@@ -70,7 +70,8 @@ class Policy:
         self.model.jetrl_kv_fp8 = self.spec.kv_fp8           # read by the forward both sides run (`jetrl.forward`)
         # the trainer gives the engine's bits where both sides' linears are batch-invariant: exact, or the unified FP8
         # flow; else (a BF16 trainer) its attention takes SDPA's causal kernels (`jetrl.forward.trainer_matches_engine`)
-        self.model.jetrl_trainer_matches_engine = exact or (self.spec.shared_weights and self.spec.train_recipe.is_fp8("fprop"))
+        unified_fp8 = self.spec.shared_weights and self.spec.train_recipe.is_fp8("fprop")
+        self.model.jetrl_trainer_matches_engine = exact or unified_fp8
         self.tokenizer, self.device, self.dtype = tokenizer, device, dtype
         self.rollout_model = self.model if self.spec.shared_weights else build_rollout_copy(self.model, self.spec.rollout_recipe)
         if not self.spec.shared_weights: self.rollout_model.jetrl_trainer_matches_engine = True   # the engine's side, whole

@@ -442,10 +442,11 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_co
     so no mask is needed and SDPA takes its causal kernels (cuDNN's, FlashAttention's), forward and backward. Not the
     invariant kernel's bits: for a trainer that need not match the engine's."""
     if (one_run or plain_causal) and q.shape[2] != key_valid.shape[1]:
-        raise ValueError(f"attend(one_run=True or plain_causal=True) takes the queries of every column (Tq = Tk): got Tq {q.shape[2]}, "
-                         f"Tk {key_valid.shape[1]}.")
+        raise ValueError(f"attend(one_run=True or plain_causal=True) takes the queries of every column (Tq = Tk): "
+                         f"got Tq {q.shape[2]}, Tk {key_valid.shape[1]}.")
     if plain_causal:
-        if codes is not None: raise ValueError("attend(plain_causal=True) reads high-precision keys and values, not FP8 codes.")
+        if codes is not None:
+            raise ValueError("attend(plain_causal=True) reads high-precision keys and values, not FP8 codes.")
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if invariant and invariant_kernels_available(q.device):
         return _AttentionFunction.apply(q, k, v, q_columns, key_valid, scale, key_start, codes, one_run)
