@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from .linear import producer_quantizer, offer_input_fp8, dy_producer_format
 from .kernels import (attend, InvariantRMSNorm, invariant_kernels_available, silu_mul, silu_mul_quantized,
-                           rotate_half_kernel, write_kv_cache, KVCodes, new_kv_codes, rows_are_one_run)
+                           rotate_half_kernel, write_kv_cache, KVCodes, new_kv_codes, rows_are_one_run, rows_moved_left)
 
 # %% ../nbs/04a_forward.ipynb #a3025bf2
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -275,8 +275,7 @@ def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     columns = torch.arange(T, device=input_ids.device)
     if not trainer_moves_rows_left(model, valid):
         return model.model.norm(_layers(model, model.model.embed_tokens(input_ids), positions, columns, valid))
-    start = first_valid_column(valid).long()[:, None]
-    to_left, back = (columns + start) % T, (columns - start) % T                 # (b, T) column maps, each the other's inverse
+    to_left, back = rows_moved_left(valid)
     ids, positions, moved_valid = (t.gather(1, to_left) for t in (input_ids, positions, valid))
     h = _layers(model, model.model.embed_tokens(ids), positions, columns, moved_valid, plain_causal=True)
     return model.model.norm(h.gather(1, back[..., None].expand_as(h)).masked_fill(~valid[..., None], 0))

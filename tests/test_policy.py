@@ -540,8 +540,9 @@ def test_a_bf16_trainer_moves_rows_left_with_the_same_log_probs_and_gradients(st
     policy.model.jetrl_trainer_matches_engine = matches
     if moves:                                           # the check has teeth: rows moved one column too few
         import jetrl.forward as forward
-        real_first = forward.first_valid_column
-        monkeypatch.setattr(forward, "first_valid_column", lambda valid: (real_first(valid) - 1).clamp(min=0))
+        real_moves = forward.rows_moved_left
+        one_short = lambda valid: tuple((m - 1) % m.shape[1] for m in real_moves(valid))
+        monkeypatch.setattr(forward, "rows_moved_left", one_short)
         with torch.no_grad(): wrong = train_log_probs(policy, ids, mask)
         assert (wrong[real] - masked[0][real]).abs().max() > 1e-3
 

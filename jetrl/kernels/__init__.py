@@ -35,9 +35,9 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 def use_invariant_kernels(model: nn.Module, exact: bool = True) -> nn.Module:
     """Swap, in place, the parts of a causal LM that the rollout and the trainer both run for row-invariant ones:
-    every RMSNorm and the attention (jetrl's forward reads `model.jetrl_invariant_attention`: the engine's always, the
-    trainer's where it must match the engine, `jetrl.forward.trainer_matches_engine`) always, since they cost
-    little; with `exact`, also the high-precision linears (lm_head, and every linear of a BF16 model: nn.Linear, or
+    every RMSNorm and the attention always, since they cost little (jetrl's forward reads
+    `model.jetrl_invariant_attention`: the engine's attention, and the trainer's where it must match the engine,
+    `jetrl.forward.trainer_matches_engine`); with `exact`, also the high-precision linears (lm_head, and every linear of a BF16 model: nn.Linear, or
     an FP8Linear whose recipe does not quantize). Parameters are shared, not copied; FP8 Fprop is invariant on a GPU
     already. Returns `model`."""
     swaps = [(fqn, m) for fqn, m in model.named_modules() if _is_rms_norm(m) or (exact and type(m) is nn.Linear)]

@@ -9,8 +9,8 @@ __all__ = ['QUERY_TILE', 'KEY_BLOCK', 'KEY_SPLIT', 'ATTENTION_WARPS', 'ATTENTION
            'KV_FP8_FORMAT', 'KV_BLOCK_T', 'KV_COLUMN_ALIGN', 'ROTARY_BLOCK_T', 'key_block', 'split_softmax',
            'first_key_block', 'merge_splits', 'attention_kernel', 'combine_splits_kernel', 'attention_invariant',
            'new_kv_codes', 'quantize_kv_kernel', 'quantize_kv_torch', 'quantize_kv_into', 'quantize_kv',
-           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'rows_are_one_run', 'attend', 'rotary_embedding_kernel',
-           'rotate_half_kernel', 'rotate_tile', 'write_kv_kernel', 'write_kv_cache']
+           'dequantize_kv', 'causal_key_mask', 'KVCodes', 'rows_are_one_run', 'rows_moved_left', 'attend',
+           'rotary_embedding_kernel', 'rotate_half_kernel', 'rotate_tile', 'write_kv_kernel', 'write_kv_cache']
 
 # %% ../../nbs/00i_attention_kernels.ipynb #96dca6ef
 import math
@@ -368,6 +368,15 @@ def rows_are_one_run(key_valid: torch.Tensor) -> bool:
     count = ones.sum(1, dtype=torch.int32)
     return bool(((count == 0) | (last - first + 1 == count)).all())
 
+def rows_moved_left(key_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(to_left, back), each (b, T) int64: the column order that moves each row of `key_valid` (b, T) left by its first
+    valid column (its left padding wrapped to the end, after every token), and the order that moves it back. Taking a
+    row's columns in `to_left` order puts its tokens at columns 0..n-1; `back` undoes it."""
+    T = key_valid.shape[1]
+    columns = torch.arange(T, device=key_valid.device)
+    start = key_valid.to(torch.int8).argmax(1)[:, None]                # each row's first valid column (0 for none)
+    return (columns + start) % T, (columns - start) % T
+
 def _move_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x (b, heads, T, d) with each row's columns taken in the order `index` (b, T). A column is one token's heads x d
     values, which the trainer's q, k, v and their gradients hold together ((b, T, heads, d) storage, seen transposed):
@@ -388,10 +397,7 @@ def _attention_grads(q, k, v, q_columns, key_valid, scale, d_out, one_run: bool 
     d_out = d_out.masked_fill(~key_valid[:, q_columns.long()][:, None, :, None], 0)
     if not one_run:
         return torch.autograd.grad(_sdpa(q, k, v, q_columns, key_valid, scale), (q, k, v), d_out)
-    T = q.shape[2]
-    columns = torch.arange(T, device=q.device)
-    start = key_valid.to(torch.int8).argmax(1)                          # each row's first valid column
-    to_aligned, back = (columns[None] + start[:, None]) % T, (columns[None] - start[:, None]) % T
+    to_aligned, back = rows_moved_left(key_valid)
     q_, k_, v_ = (_move_columns(t, to_aligned) for t in (q, k, v))    # left padding wraps to the end: after every token
     out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return tuple(_move_columns(g, back) for g in torch.autograd.grad(out, (q_, k_, v_), _move_columns(d_out, to_aligned)))
