@@ -198,12 +198,13 @@ def test_live_dashboard_in_jupyterlab(lab, tmp_path):
     # Both strategies' reward curves, every step of both runs in plotly's data and drawn as markers.
     assert final["traces"] == 2 and final["points"] == 12, final
     assert final["markers"] > 0
-    # The plot changed while training ran: it grew through intermediate states, seen before the status said done.
+    # The plot changed while training ran: a partial curve was drawn in the SVG before the status said done, and
+    # redrawn with more points after. How many partial states the page catches depends on how much CPU the browser
+    # gets beside the kernel (on a 2-core CI runner it caught one); a dashboard that draws only at the end fails here.
     assert 0 < first["points"] < second["points"] <= 12 and first["t"] < second["t"], (first, second)
     assert first["status"] != "done", first
-    during = [s for s in samples if s["points"] > 0 and not s["status"].startswith("done")]
-    counts = [s["points"] for s in during]
-    assert len(set(counts)) >= 2 and counts == sorted(counts), samples
-    assert min(counts) < final["points"], samples
-    markers = [s["markers"] for s in during]
-    assert max(markers) > min(markers), samples           # the SVG redrawn with more markers during the run
+    during = [s for s in samples if 0 < s["points"] < final["points"] and not s["status"].startswith("done")]
+    assert during and all(s["markers"] > 0 for s in during), samples
+    assert max(s["markers"] for s in during) < final["markers"], samples   # the SVG redrawn with more markers
+    counts = [s["points"] for s in samples]
+    assert counts == sorted(counts), samples                                # the curves only grow
