@@ -411,7 +411,7 @@ def _config(**kw) -> TrainConfig:
 # The GRPO settings every strategy shares, chosen so that bf16 itself learns: a comparison of strategies that all stay
 # flat (or all fall) says nothing about precision. Measured on a CPU by a learning-rate probe (bf16 GRPO on a 0.46M base
 # SFT'd by train_base_policy at peak lr 3e-3, 4-step chains; held-out 256 prompts x 4, base 0.635; rows and commands in
-# benchmarks/results/reproduce_lr_probe_cpu.jsonl), 30 steps, 2 seeds, mean gain:
+# benchmarks/results/reproduce_lr_probe_cpu.jsonl, 2026-12-01, ec32eae, fd96fef, f479e93), 30 steps, 2 seeds, mean gain:
 #   16 prompts x 8:  lr 3e-5 +0.011, 1e-4 -0.014 (3e-4 -0.11 and 1e-3 -0.46 at 20 steps: every strategy falls, bf16 too)
 #   64 prompts x 8:  lr 3e-5 +0.015, 1e-4 +0.007
 #   128 prompts x 8: lr 3e-5 +0.020, 1e-4 +0.032 (seeds 0.663, 0.670), 3e-4 +0.007; 1e-4 at 12 / 24 steps +0.009 / +0.017

@@ -17,6 +17,7 @@ if [ -n "$(git status --porcelain -- nbs)" ]; then
   git status --short -- nbs; exit 1
 fi
 python tools/make_readme.py --check
+python tools/results_rows.py --check      # every results row is of a commit the project cites
 
 echo "== notebooks as tests (cells flagged cuda or slow are skipped)"
 nbdev-test --n-workers 2
