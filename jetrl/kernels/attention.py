@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from typing import NamedTuple
-from ..fp8 import eager_custom_op, quantize_unchecked, fp8_max, fp8_dtype
+from ..fp8 import eager_custom_op, quantize_unchecked, fp8_max, fp8_dtype, fp8_to_float
 from ..options import kernel_options
 from .support import HAS_TRITON, triton, tl, invariant_kernels_available, needs_64bit_offsets, next_power_of_2, quantize_groups
 
@@ -330,7 +330,7 @@ def quantize_kv(x: torch.Tensor, dim_major: bool = False) -> tuple[torch.Tensor,
 
 def dequantize_kv(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     "Codes times their token's scale, rounded to `dtype` (fp32: exact, the values the attention kernel attends over)."
-    return (data.float() * scale[..., None]).to(dtype)
+    return (fp8_to_float(data) * scale[..., None]).to(dtype)
 
 
 # %% ../../nbs/00i_attention_kernels.ipynb #74020bf7
