@@ -34,8 +34,10 @@ E4M3_TO_FP16_EXPONENT = 15 - 7   # FP16's exponent bias minus E4M3's: the E4M3 b
 
 def fp8_to_float(data: torch.Tensor) -> torch.Tensor:
     """FP8 codes (float8_e4m3fn or float8_e5m2) as fp32 values: `data.float()`'s values, NaN as NaN. On the CPU by moving
-    bits in whole-tensor integer ops (torch's cast converts one element at a time there); elsewhere torch's cast."""
-    if data.device.type != "cpu" or data.dtype not in FP8_DTYPES.values(): return data.float()
+    bits in whole-tensor integer ops (torch's cast converts one element at a time there); elsewhere, and inside
+    `torch.compile` (which fuses the cast into its kernels), torch's cast."""
+    if data.device.type != "cpu" or data.dtype not in FP8_DTYPES.values() or torch.compiler.is_compiling():
+        return data.float()
     codes = data.view(torch.uint8)
     if data.dtype == torch.float8_e5m2: return codes.to(torch.int16).bitwise_left_shift_(8).view(torch.float16).float()
     bits = codes.to(torch.int16)
