@@ -132,7 +132,7 @@ def quantize_unchecked(x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_sc
     fmax, dtype = fp8_max(fmt), fp8_dtype(fmt)
     blocks, axes = _blocked_view(x.float(), block), _block_axes(x.dim())
     # each block's amax: max |x| read as max(max x, -min x), two reads of x and no |x| written
-    amax = torch.maximum(blocks.amax(dim=axes, keepdim=True), blocks.amin(dim=axes, keepdim=True).neg_())
+    amax = torch.maximum(blocks.amax(dim=axes, keepdim=True), -blocks.amin(dim=axes, keepdim=True))
     scale = compute_scale(amax, fmt, pow2_scale)
     data = torch.div(blocks, scale).clamp_(-fmax, fmax).to(dtype)
     data = _crop(data.reshape([n * b for n, b in zip(scale.shape[::2], block)]), x.shape)
