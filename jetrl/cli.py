@@ -29,7 +29,7 @@ from .data import MAX_SEED, dataset_rows, seed_problem
 from .policy import Policy, load_model_and_tokenizer
 from .vllm_backend import vllm_missing, vllm_unsupported
 from .train import TrainConfig, ROLLOUT_BACKENDS, RunFolderWarning, train, read_metrics, resolve_strategy, task_and_rewards
-from .distributed import RankLostError, launched_by_torchrun, train_distributed
+from .distributed import RankLostError, launched_by_torchrun, train_distributed, exit_rank
 
 # %% ../nbs/09_cli.ipynb #b9abbca5
 def cpu_cores() -> set[int]:
@@ -331,4 +331,7 @@ def _run(args) -> int:
         return 130
 
 # %% ../nbs/09_cli.ipynb #cb742d5d
-if __name__ == "__main__": sys.exit(main())
+if __name__ == "__main__":
+    status = main()
+    if launched_by_torchrun(): exit_rank(status)       # a rank skips the C++ teardown that can abort it at exit (08a)
+    sys.exit(status)

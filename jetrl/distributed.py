@@ -6,13 +6,13 @@ Docs: https://jetrl.github.io/jetrl/distributed.html.md"""
 
 # %% auto #0
 __all__ = ['TIMEOUT_ENV', 'DEFAULT_TIMEOUT_S', 'SYNC_FORMATS', 'choose_backend', 'RankLostError', 'is_collective_failure',
-           'World', 'init_world', 'decoder_layers', 'forget_fp8_weights', 'shard_model', 'reshard', 'shard_policy',
-           'quantize_row_shard', 'DistributedSyncReport', 'gather_fp8_weight', 'sync_rollout_weights',
+           'World', 'init_world', 'exit_rank', 'decoder_layers', 'forget_fp8_weights', 'shard_model', 'reshard',
+           'shard_policy', 'quantize_row_shard', 'DistributedSyncReport', 'gather_fp8_weight', 'sync_rollout_weights',
            'rollout_matches_trainer', 'reduce_loss_stats', 'merge_rollouts', 'save_distributed_checkpoint',
            'load_distributed_checkpoint', 'start_distributed_run', 'train_distributed']
 
 # %% ../nbs/08a_distributed.ipynb #dc194026
-import atexit, copy, json, os, random, shutil, signal, time, warnings
+import atexit, copy, json, os, random, shutil, signal, sys, time, warnings
 from dataclasses import dataclass
 from functools import partial
 from datetime import timedelta
@@ -142,6 +142,16 @@ def _leave_process_group():
     """Destroy the process group before the interpreter tears down: a gloo group left to the C++ destructors at exit
     can abort the process ("terminate called without an active exception", exit code -6) after the run has finished."""
     if dist.is_initialized(): dist.destroy_process_group()
+
+def exit_rank(code: int):
+    """End a torchrun rank's process with `code` once its command has returned: the process group destroyed, the output
+    flushed, then `os._exit`, without the C++ teardown of interpreter exit. Even with the group destroyed first, that
+    teardown was seen to abort a finished two-rank CPU run ("terminate called without an active exception", exit -6),
+    which torchrun then reports as a failed launch. Everything a run keeps is written and closed before its command
+    returns, so nothing is lost."""
+    _leave_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(code)
 
 # %% ../nbs/08a_distributed.ipynb #a99bb40a
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -278,3 +278,11 @@ def test_scaling_benchmark_keeps_a_failed_launch_as_a_row_with_its_log(tmp_path)
     assert row["failed"] and row["gpus"] == 2 and row["returncode"] not in (0, None) and not row["timed_out"]
     assert {e.split(":")[0] for e in row["rank_errors"]} == {"[rank0]", "[rank1]"} and "no-such-model" in row["rank_errors"][0]
     assert "no-such-model" in Path(row["log"]).read_text() and row["log_tail"]
+
+
+def test_a_rank_leaves_with_its_status_and_its_output_flushed():
+    """exit_rank skips the interpreter's C++ teardown (os._exit): the command's exit status and what it printed, unflushed,
+    still come out."""
+    code = "import sys; from jetrl.distributed import exit_rank; print('done', end=''); print('warned', end='', file=sys.stderr); exit_rank(3)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "done", "warned"), done
