@@ -36,4 +36,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    from jetrl.distributed import exit_rank, launched_by_torchrun
+    if launched_by_torchrun(): exit_rank(status if isinstance(status, int) else 0)   # no C++ teardown to abort a finished rank
+    sys.exit(status)
