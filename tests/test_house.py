@@ -1,6 +1,6 @@
 """The house's rules, checked on the library as committed: no import cycles, no jetrl import inside a function, no module over
 700 lines; every row of a results file is of a commit the project cites."""
-import sys
+import json, sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -29,7 +29,7 @@ def test_results_rows_of_an_uncited_commit_are_found_and_pruned(tmp_path, monkey
     results = tmp_path / "benchmarks" / "results"; results.mkdir(parents=True)
     (tmp_path / "README.md").write_text("The step took 1.0 s (`step.jsonl`, 2026-12-01, aaaaaaa).\n")
     rows = [{"step_s": 1.0, "git_sha": "a" * 40}, {"step_s": 2.0, "git_sha": "b" * 40}, {"note": "no commit"}]
-    (results / "step.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    (results / "step.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setattr(R, "ROOT", tmp_path); monkeypatch.setattr(R, "RESULTS", results)
     assert R.main(["--check"]) == 1                            # bbbbbbb's row: cited nowhere
     assert R.main(["--prune"]) == 0 and R.main(["--check"]) == 0
