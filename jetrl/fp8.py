@@ -43,8 +43,9 @@ def fp8_to_float(data: torch.Tensor) -> torch.Tensor:
     bits = codes.to(torch.int16)
     bits.add_(bits & 0x80).bitwise_left_shift_(7)             # the sign 0x80 doubled to 0x100, then all up 7 bits
     values = bits.view(torch.float16).float().mul_(2.0 ** E4M3_TO_FP16_EXPONENT)
-    if codes.numel() and int((codes & 0x7F).max()) == 0x7F:     # s 1111 111: E4M3's NaN, one per sign (read as 480)
-        values[(codes & 0x7F) == 0x7F] = float("nan")
+    magnitude = codes & 0x7F
+    if codes.numel() and int(magnitude.max()) == 0x7F:          # s 1111 111: E4M3's NaN, one per sign (read as 480)
+        values[magnitude == 0x7F] = float("nan")
     return values
 
 # %% ../nbs/00_fp8.ipynb #64df9b37

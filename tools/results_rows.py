@@ -29,7 +29,7 @@ def citing_text() -> str:
 
 
 def rows_of(path: Path) -> list[tuple[str, dict | None]]:
-    "The file's lines with their parsed rows (None for a line that is not a JSON object: kept, and reported)."
+    "The file's lines with their parsed rows (None for a line that is not a JSON object: always kept)."
     out = []
     for line in path.read_text().splitlines():
         if not line.strip(): continue
@@ -44,11 +44,16 @@ def commit_of(row: dict | None) -> str | None:
     return str(sha)[:SHA_CHARS] if sha else None
 
 
+def stale(row: dict | None, text: str) -> bool:
+    "Whether a row names a commit that `text` does not (a row without a commit is never stale)."
+    return (c := commit_of(row)) is not None and c not in text
+
+
 def uncited(text: str) -> dict[Path, Counter]:
     "Per results file, the rows of each commit that `text` does not name (rows without a commit are always kept)."
     found = {}
     for path in sorted(RESULTS.rglob("*.jsonl")):
-        counts = Counter(c for _, row in rows_of(path) if (c := commit_of(row)) and c not in text)
+        counts = Counter(commit_of(row) for _, row in rows_of(path) if stale(row, text))
         if counts: found[path] = counts
     return found
 
@@ -60,23 +65,22 @@ def main(argv=None) -> int:
     mode.add_argument("--prune", action="store_true", help="delete the rows of commits nothing cites")
     args = p.parse_args(argv)
     text = citing_text()
-    stale = uncited(text)
+    found = uncited(text)
     if args.prune:
-        for path in stale:
-            kept = [line for line, row in rows_of(path) if not ((c := commit_of(row)) and c not in text)]
-            path.write_text("".join(line + "\n" for line in kept))
-            print(f"{path.relative_to(ROOT)}: {sum(stale[path].values())} rows of {len(stale[path])} uncited commits deleted")
+        for path, counts in found.items():
+            path.write_text("".join(line + "\n" for line, row in rows_of(path) if not stale(row, text)))
+            print(f"{path.relative_to(ROOT)}: {sum(counts.values())} rows of {len(counts)} uncited commits deleted")
         return 0
     if not args.check:
         for path in sorted(RESULTS.rglob("*.jsonl")):
             counts = Counter(commit_of(row) for _, row in rows_of(path))
             print(f"{path.relative_to(ROOT)}: " + ", ".join(
                 f"{c or 'no commit'} {n}{'' if c is None or c in text else ' (uncited)'}" for c, n in counts.items()))
-    for path, counts in stale.items():
+    for path, counts in found.items():
         print(f"{path.relative_to(ROOT)} holds rows of commits nothing cites: "
               + ", ".join(f"{c} ({n} rows)" for c, n in counts.items())
               + ". Cite the ones that still stand for something, or delete them: python tools/results_rows.py --prune")
-    return 1 if args.check and stale else 0
+    return 1 if args.check and found else 0
 
 
 if __name__ == "__main__":
