@@ -14,7 +14,7 @@ output equals the trainer kernel's, BF16 and FP8 (block, split and warps change 
 Once: SDPA's cuDNN/flash kernels over dense keys of the mean written length (no mask, no padding): what the fastest
 general attention reads those bytes in.
 """
-import argparse
+import argparse, contextlib
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +37,22 @@ def tile_settings(text: str) -> list[dict]:
                              "e.g. 64:512:4:3:128; registers 0: unbounded)")
         settings.append(dict(zip(TILE_NAMES, map(int, parts))))
     return settings
+
+
+def current_tiles() -> dict:
+    "The attention's tile constants as `jetrl.kernels.attention` holds them now."
+    return {n: getattr(attention, n) for n in TILE_NAMES}
+
+
+@contextlib.contextmanager
+def attention_tiles(tiles: dict):
+    "Run the block with `jetrl.kernels.attention`'s tile constants set to `tiles` (both sides read them at each call), then restore them."
+    chosen = current_tiles()
+    try:
+        for n, value in tiles.items(): setattr(attention, n, value)
+        yield
+    finally:
+        for n, value in chosen.items(): setattr(attention, n, value)
 
 
 def decode_equals_trainer(device) -> bool:
@@ -103,10 +119,9 @@ def main(argv=None):
     best = min(sdpa.items(), key=lambda kv: kv[1]) if sdpa else (None, float("nan"))
     emit(make_row("attention_decode", shape | dict(kernel=f"sdpa_{best[0]}_dense", bf16_us=best[1],
                                                    bf16_over_bound=best[1] / bound_us["bf16"]), argv, device), args.out)
-    chosen = {n: getattr(attention, n) for n in TILE_NAMES}
-    try:
-        for tiles in args.tiles:
-            for n, value in tiles.items(): setattr(attention, n, value)
+    chosen = current_tiles()
+    for tiles in args.tiles:
+        with attention_tiles(tiles):
             t = {kv: 1e3 * graph_time_ms(lambda: attention.attend(q, kk, vv, q_column, valid, scale, True, start, cc))
                  for kv, kk, vv, cc in (("bf16", k, v, None), ("fp8", None, None, codes),
                                         ("fp8_values_token_major", None, None, token_major))}
@@ -119,8 +134,6 @@ def main(argv=None):
                 bf16_over_bound=t["bf16"] / bound_us["bf16"],
                 fp8_over_bound=t["fp8"] / bound_us["fp8"], fp8_over_bf16=t["fp8"] / t["bf16"],
                 decode_equals_trainer=decode_equals_trainer(device)), argv, device), args.out)
-    finally:
-        for n, value in chosen.items(): setattr(attention, n, value)
 
 
 if __name__ == "__main__":

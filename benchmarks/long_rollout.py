@@ -11,6 +11,8 @@ data sheet's, the row's `hbm_tb_per_s`): every weight the step
 multiplies by (FP8 or BF16 as the strategy stores it) and the keys and values written so far (each step reads its
 row's columns up to the current one), averaged over the steps. Then the trainer recomputes the log-probs of every
 generated token (`recompute_log_probs`): the mean |log p_train - log p_rollout| and the share of identical tokens.
+`--tiles` sets the attention's tile constants for the run (engine and trainer read the same ones, so a setting
+changes the bits of both sides together): one tile setting against the default, same shape, in one process each.
 Memory: the peak during the rollout, what was allocated before it (the model in the strategy's precisions, the cache,
 and whatever an earlier strategy of the same run still holds: one strategy per process gives a clean peak), and the
 cache's own bytes.
@@ -19,6 +21,7 @@ import argparse, statistics
 import torch
 import torch.nn as nn
 
+from benchmarks.attention_decode import attention_tiles, current_tiles, tile_settings
 from benchmarks.common import add_output_args, build, emit, hbm_bytes_per_s, make_row, need_cuda, synced_clock
 from jetrl.options import use_kernel_options
 from jetrl.policy import Policy
@@ -53,10 +56,14 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=4096)
     p.add_argument("--layers", type=int, default=0, help="keep only the first N layers (0: all)")
     p.add_argument("--no-gap", action="store_true", help="skip the trainer's recomputation (time only)")
+    p.add_argument("--tiles", type=tile_settings, default=[current_tiles()], metavar="BLOCK:SPLIT:WARPS:STAGES:FP8_REGISTERS",
+                   help="one attention tile setting for the whole run, engine and trainer alike (attention_decode's "
+                        "format; default: jetrl's), recorded in each row's `attention_tiles`")
     add_output_args(p)
     args = p.parse_args(argv)
+    if len(args.tiles) != 1: raise SystemExit(f"--tiles: one setting per run, got {len(args.tiles)}; run once per setting")
     need_cuda("long_rollout")
-    with use_kernel_options(args.kernels): run(args, argv)
+    with use_kernel_options(args.kernels), attention_tiles(args.tiles[0]): run(args, argv)
 
 
 def run(args, argv):
@@ -98,7 +105,7 @@ def run(args, argv):
                    prefill_s=rollout.timing["prefill_s"], decode_step_ms=decode_step_ms, bound_step_ms=bound_ms,
                    step_over_bound=decode_step_ms / bound_ms, hbm_tb_per_s=bandwidth / 1e12,
                    bandwidth_source=bandwidth_source, peak_mem_gb=peak, allocated_before_gb=before,
-                   kv_cache_gb=cache.nbytes / 2**30)
+                   kv_cache_gb=cache.nbytes / 2**30, attention_tiles=current_tiles())
         if not args.no_gap:
             trainer = recompute_log_probs(policy.model, rollout, micro_batch_size=8)
             mask = rollout.completion_mask.bool()
