@@ -4,7 +4,7 @@ tests/browser/live_dashboard.ipynb run from the Run menu; the widgets render and
 Needs Debian's Chromium (`apt-get install -y chromium`: /usr/bin/chromium) and, from PyPI, `jupyterlab` and `playwright`
 (without `playwright install`); skipped when one is missing. The screenshot goes to the test's tmp dir, or to
 $JETRL_BROWSER_ARTIFACTS (a folder) when that is set."""
-import json, os, shutil, signal, socket, subprocess, sys, time, urllib.request
+import json, os, re, shutil, signal, socket, subprocess, sys, time, urllib.request
 from pathlib import Path
 import pytest
 
@@ -16,7 +16,17 @@ SERVER_START_S = 60      # JupyterLab answering /api/status
 KERNEL_IDLE_MS = 60_000  # the notebook open and its kernel idle
 RENDER_MS = 90_000       # the cells run: jetrl imported, the dashboard's widgets drawn
 TRAIN_MS = 120_000       # both runs done (about 15 s on an idle 2-core machine)
-POINTS = 2 * 10           # the reward curves' points at the end: two strategies of STEPS steps (the notebook's)
+
+
+def _notebook_steps() -> int:
+    "The notebook's STEPS (the steps each strategy trains), read from its source so the two cannot drift apart."
+    source = "".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"])
+    found = re.search(r"^STEPS = (\d+)", source, re.M)
+    assert found, f"{NOTEBOOK} sets no `STEPS = N`: the test reads it to know how many points the curves end with"
+    return int(found.group(1))
+
+
+POINTS = 2 * _notebook_steps()   # the reward curves' points at the end: two strategies of STEPS steps each
 
 
 def _requirements():
