@@ -74,3 +74,23 @@ def test_rank_errors_name_each_ranks_exception_once_qualified_or_not():
            "E1207 torch/distributed/elastic: failed (exitcode: 1)\n")
     assert rank_errors(log) == ["[rank1]: torch.OutOfMemoryError: CUDA out of memory.",
                                 "[rank0]: FileNotFoundError: 'x' is not a local model folder"]
+
+
+def test_a_tile_setting_holds_for_its_run_and_is_undone_after_a_failure():
+    """`long_rollout --tiles` sets the attention's constants that engine and trainer both read, for the run only: back
+    to jetrl's after it, even when the run fails; a malformed setting, or two settings in one run, are refused."""
+    import jetrl.kernels.attention as attention
+    from benchmarks import attention_decode, long_rollout
+    default = attention_decode.current_tiles()
+    other = dict(default, KEY_SPLIT=2 * default["KEY_SPLIT"], ATTENTION_STAGES=2)
+    with pytest.raises(RuntimeError, match="the run failed"):
+        with attention_decode.attention_tiles(other):
+            assert attention.KEY_SPLIT == other["KEY_SPLIT"] and attention_decode.current_tiles() == other
+            raise RuntimeError("the run failed")
+    assert attention_decode.current_tiles() == default
+    assert attention_decode.tile_settings("64:1024:4:3:0") == [dict(KEY_BLOCK=64, KEY_SPLIT=1024, ATTENTION_WARPS=4,
+                                                                    ATTENTION_STAGES=3, FP8_KV_MAX_REGISTERS=0)]
+    with pytest.raises(SystemExit, match="one setting per run, got 2"):
+        long_rollout.main(["--tiles", "64:512:4:3:128,64:1024:4:3:128"])
+    with pytest.raises(SystemExit):
+        long_rollout.main(["--tiles", "64:1024:4"])
