@@ -20,7 +20,7 @@ TRAIN_MS = 120_000       # both runs done (about 15 s on an idle 2-core machine)
 
 def _notebook_steps() -> int:
     "The notebook's STEPS (the steps each strategy trains), read from its source so the two cannot drift apart."
-    source = "".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"])
+    source = "\n".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"])
     found = re.search(r"^STEPS = (\d+)", source, re.M)
     assert found, f"{NOTEBOOK} sets no `STEPS = N`: the test reads it to know how many points the curves end with"
     return int(found.group(1))
