@@ -76,6 +76,7 @@ def key_block(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_co
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l, acc
 
+# %% ../../nbs/00i_attention_kernels.ipynb #a0a7cb5a
 @triton.jit
 def split_softmax(q, k_row, v_row, ks_row, vs_row, valid_row, sk_t, sv_t, sv_d, q_col, start_block, stop_block, Tk, scale,
                   BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr):
@@ -115,6 +116,7 @@ def merge_splits(M, L, ACC, m, l, acc):
     b = tl.where(empty, 1.0, tl.exp(m - M_new))
     return M_new, L * a + l * b, ACC * a[:, None] + acc * b[:, None]
 
+# %% ../../nbs/00i_attention_kernels.ipynb #2620b5b1
 @triton.jit
 def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, m_ptr, l_ptr, q_col_ptr, valid_ptr, start_ptr,
                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sv_d, ss_b, ss_h, so_b, so_h, so_t, s_valid,
@@ -199,7 +201,6 @@ def combine_splits_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, q_col_ptr, start_ptr, sw
         M, L, ACC = merge_splits(M, L, ACC, m, l, acc)
     out = ACC / L[:, None]
     tl.store(o_ptr + (b * so_b + h_rows * so_h)[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
-
 
 # %% ../../nbs/00i_attention_kernels.ipynb #52c01e4c
 @eager_custom_op("jetrl::attention_invariant", mutates_args=())
