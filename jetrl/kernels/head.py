@@ -8,8 +8,8 @@ Docs: https://jetrl.github.io/jetrl/head_kernels.html.md"""
 __all__ = ['VOCAB_BLOCK', 'LOG_SOFTMAX_WARPS', 'LOG_SOFTMAX_DTYPES', 'MIX32_MULTIPLIERS', 'RACE_UNIFORM_BITS', 'RACE_CHUNK',
            'temperature_scaled', 'temperature_log_softmax', 'selective_log_softmax_kernel',
            'selective_log_softmax_backward_kernel', 'selective_log_softmax', 'softmax_entropy_kernel',
-           'entropy_from_log_softmax', 'softmax_entropy', 'mix32', 'mix32_bits', 'race_sample_kernel',
-           'exponential_race', 'race_sample_torch', 'race_sample']
+           'entropy_from_log_softmax', 'softmax_entropy', 'mix32', 'mix32_bits', 'exponential_race',
+           'race_sample_torch', 'race_sample_kernel', 'race_sample']
 
 # %% ../../nbs/00j_head_kernels.ipynb #ddf54234
 import math
@@ -242,6 +242,21 @@ def mix32_bits(x):
     x = (x ^ (x >> 16)) * _MIX_C.value
     return x ^ (x >> 16)
 
+# %% ../../nbs/00j_head_kernels.ipynb #6dbb7035
+def exponential_race(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw from each row's distribution in torch's ops: `argmax_i p_i / E_i` over fp32 log-probs (n, V) and a
+    (n, V) tensor of Exp(1) draws from `generator`. torch.multinomial(p, 1) draws this way too (on the CPU: the same
+    tokens for the same generator), but checks its input first, which a decode loop does not need."""
+    race = torch.empty_like(logp).exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+    return (logp.exp() / race).argmax(-1)
+
+def race_sample_torch(logits: torch.Tensor, temperature: float = 1.0, generator: torch.Generator | None = None,
+                      greedy: bool = False) -> torch.Tensor:
+    "The same draw in torch's ops, over an fp32 `temperature_log_softmax` (greedy: its argmax)."
+    logp = temperature_log_softmax(logits, temperature)
+    return logp.argmax(-1) if greedy else exponential_race(logp, generator)
+
+# %% ../../nbs/00j_head_kernels.ipynb #bc2b507d
 @triton.jit
 def race_sample_kernel(x_ptr, seed_ptr, key_ptr, col_ptr, V, stride_x, temperature, SCALED: tl.constexpr,
                        GREEDY: tl.constexpr, UNIFORM_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -270,19 +285,6 @@ def race_sample_kernel(x_ptr, seed_ptr, key_ptr, col_ptr, V, stride_x, temperatu
         best = tl.where(take, block_best, best)
     tl.store(key_ptr + row * tl.num_programs(1) + chunk, best)
     tl.store(col_ptr + row * tl.num_programs(1) + chunk, best_col)
-
-def exponential_race(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw from each row's distribution in torch's ops: `argmax_i p_i / E_i` over fp32 log-probs (n, V) and a
-    (n, V) tensor of Exp(1) draws from `generator`. torch.multinomial(p, 1) draws this way too (on the CPU: the same
-    tokens for the same generator), but checks its input first, which a decode loop does not need."""
-    race = torch.empty_like(logp).exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
-    return (logp.exp() / race).argmax(-1)
-
-def race_sample_torch(logits: torch.Tensor, temperature: float = 1.0, generator: torch.Generator | None = None,
-                      greedy: bool = False) -> torch.Tensor:
-    "The same draw in torch's ops, over an fp32 `temperature_log_softmax` (greedy: its argmax)."
-    logp = temperature_log_softmax(logits, temperature)
-    return logp.argmax(-1) if greedy else exponential_race(logp, generator)
 
 def race_sample(logits: torch.Tensor, temperature: float = 1.0, generator: torch.Generator | None = None,
                 greedy: bool = False) -> torch.Tensor:
