@@ -6,7 +6,7 @@ Docs: https://jetrl.github.io/jetrl/forward.html.md"""
 
 # %% auto #0
 __all__ = ['STATIC_MODEL_TYPES', 'SIBLING_LINEARS', 'static_decode_unsupported', 'check_cache_fits', 'StaticKVCache',
-           'trainer_matches_engine', 'trainer_moves_rows_left', 'first_valid_column', 'decoder_forward',
+           'trainer_matches_engine', 'first_valid_column', 'decoder_forward', 'trainer_moves_rows_left',
            'sequence_forward']
 
 # %% ../nbs/04a_forward.ipynb #691c89d0
@@ -207,15 +207,6 @@ def _may_sync(t: torch.Tensor) -> bool:
     "Whether a check may read a value back to the host here: not while a CUDA graph captures or torch.compile traces."
     return not torch.compiler.is_compiling() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
-def trainer_moves_rows_left(model: nn.Module, key_valid: torch.Tensor) -> bool:
-    """Whether `sequence_forward` moves each row left to its first token and attends with plain causal kernels (SDPA's
-    cuDNN and FlashAttention ones, which skip the keys after each query where a mask reads them all): for a trainer
-    that need not match the engine (`trainer_matches_engine`), keys and values in high precision, every row of
-    `key_valid` (b, T) one run of tokens (a rollout's: left padding, tokens, right padding; `rows_are_one_run`, one
-    read back to the host), and only where that read may happen (`_may_sync`)."""
-    if trainer_matches_engine(model) or getattr(model, "jetrl_kv_fp8", False) or not _may_sync(key_valid): return False
-    return rows_are_one_run(key_valid)
-
 def first_valid_column(key_valid: torch.Tensor) -> torch.Tensor:
     "(b,) int32: each row's first valid key column (0 for a row with none): the left padding the attention may skip."
     return key_valid.to(torch.int8).argmax(1).to(torch.int32)
@@ -261,6 +252,16 @@ def decoder_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor
     b, upto = ids.shape[0], upto or cache.capacity
     h = _layers(model, model.model.embed_tokens(ids), positions, columns, cache.valid[:b, :upto], cache, upto, fused)
     return model.lm_head(model.model.norm(h[:, -1:]))[:, -1]
+
+# %% ../nbs/04a_forward.ipynb #87fb8e7b
+def trainer_moves_rows_left(model: nn.Module, key_valid: torch.Tensor) -> bool:
+    """Whether `sequence_forward` moves each row left to its first token and attends with plain causal kernels (SDPA's
+    cuDNN and FlashAttention ones, which skip the keys after each query where a mask reads them all): for a trainer
+    that need not match the engine (`trainer_matches_engine`), keys and values in high precision, every row of
+    `key_valid` (b, T) one run of tokens (a rollout's: left padding, tokens, right padding; `rows_are_one_run`, one
+    read back to the host), and only where that read may happen (`_may_sync`)."""
+    if trainer_matches_engine(model) or getattr(model, "jetrl_kv_fp8", False) or not _may_sync(key_valid): return False
+    return rows_are_one_run(key_valid)
 
 def sequence_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The trainer's forward of whole sequences (b, T) through the same layers as the rollout's step: the hidden
