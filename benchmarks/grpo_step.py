@@ -24,7 +24,7 @@ Every (strategy, mode) runs a warm-up step first (CUDA-graph capture), then `--s
 shape, rebuilt from the same seed. Modes: fast (default kernels) and exact (Policy(exact=True): batch-invariant
 kernels everywhere, bitwise engine == trainer). Kernel choices: `--kernels name=value,...` (jetrl.options.KernelOptions).
 """
-import argparse, gc
+import argparse, gc, sys
 import torch
 
 from benchmarks.common import add_output_args, build, emit, make_row, synced_clock
@@ -134,6 +134,8 @@ def run_all(args, argv):
         for strategy in args.strategies.split(","):
             # what an earlier strategy of this process left allocated (0 unless something outlived it)
             allocated_at_start = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            if allocated_at_start is not None and (not world or world.is_main):    # said before a step that may not end
+                print(f"{strategy} ({mode}): {allocated_at_start:.2f} GB allocated before its model", file=sys.stderr, flush=True)
             model, tokenizer = build(args.model, torch.bfloat16)
             if args.layers: model.model.layers = model.model.layers[:args.layers]; model.config.num_hidden_layers = args.layers
             if args.checkpointing: model.gradient_checkpointing_enable()
