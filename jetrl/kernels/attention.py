@@ -24,7 +24,7 @@ from .support import HAS_TRITON, triton, tl, invariant_kernels_available, needs_
 # %% ../../nbs/00i_attention_kernels.ipynb #6400c18a
 QUERY_TILE = 16         # query rows per attention tile, in the trainer and in decode alike (decode: heads as rows)
 KEY_BLOCK = 64          # keys per step of the attention's online softmax: the order of its sum
-KEY_SPLIT = 2048        # keys per split: each split's softmax on its own, the splits merged in column order (both sides)
+KEY_SPLIT = 512         # keys per split: each split's softmax on its own, the splits merged in column order (both sides)
 ATTENTION_WARPS = 4     # warps per program, both sides: the layout of a tile, so the order of its row sums
 ATTENTION_STAGES = 3    # key blocks in flight per program (software pipelining; no effect on the bits)
 # registers per thread of decode's attention with FP8 keys and values: unbounded, the compiler takes 168 at head_dim 128,
