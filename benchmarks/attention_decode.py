@@ -25,10 +25,11 @@ from jetrl.kernels.support import graph_time_ms
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TILE_NAMES = ("KEY_BLOCK", "KEY_SPLIT", "ATTENTION_WARPS", "ATTENTION_STAGES", "FP8_KV_MAX_REGISTERS")
-# the default sweep: the tiles in use, and the settings still open (longer splits; two warps, or 128-key blocks on four,
-# whose FP8 tiles compile to fewer instructions a key without spilling when their registers are unbounded: 24.8 and
-# 25.8 warp-instructions a key against 32.6: attention_resources_sm90.txt)
-TILES = "64:512:4:3:128,64:1024:4:3:128,64:2048:4:3:128,64:512:2:3:0,64:1024:2:3:0,128:512:4:3:0"
+# the default sweep: the tiles in use, then the settings still open, the untimed first (two warps, or 128-key blocks on
+# four, whose FP8 tiles compile to fewer instructions a key without spilling when their registers are unbounded: 24.8
+# and 25.8 warp-instructions a key against 32.6: attention_resources_sm90.txt), then longer splits. Each tile compiles
+# its kernels anew: on one H100 three tiles took most of 110 s
+TILES = "64:512:4:3:128,64:512:2:3:0,128:512:4:3:0,64:1024:2:3:0,64:1024:4:3:128,64:2048:4:3:128"
 
 
 def tile_settings(text: str) -> list[dict]:
