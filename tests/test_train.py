@@ -312,3 +312,26 @@ def test_released_rollout_memory_trains_the_same_steps_and_resumes_either_way(mo
     assert "another config" not in capsys.readouterr().err                        # resumed with or without it: accepted
     with pytest.raises(ValueError, match="vLLM keeps its own"):
         TrainConfig(backend="vllm", release_rollout_memory=True)
+
+
+def test_jet_gradient_norm_is_the_high_precision_ones_within_fp8_noise():
+    """The emulated unified FP8 flow's gradient against the high-precision one (bf16's strategy computes in fp32 on the
+    CPU) from the same random weights, on one rollout both train on, through `optimize` with micro-batches: every
+    module's norm within JET_GRAD_NORM_RATIO (measured: within 3%). tests/test_gpu.py runs the same on a GPU, with
+    jetrl's kernels, eager and from the trainer's CUDA graphs."""
+    from transformers import Qwen2ForCausalLM
+    from conftest import gradient_norms_on_one_rollout, gradient_ratio_problems
+    from jetrl.tiny import load_tiny
+    shipped, tokenizer = load_tiny()
+    torch.manual_seed(0)
+    weights = Qwen2ForCausalLM(shipped.config).state_dict()          # the shipped shape, random weights
+    policies = {}
+    for strategy in ("bf16", "jet"):
+        model = Qwen2ForCausalLM(shipped.config); model.load_state_dict(weights)
+        policies[strategy] = Policy(model, tokenizer, strategy, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 500, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (4,), generator=g)]
+    norms, step_norms = gradient_norms_on_one_rollout(policies, prompts, 48, 6)
+    assert len(norms["jet"]) == len(norms["bf16"]) == len(list(shipped.parameters()))
+    problems = gradient_ratio_problems(norms, step_norms)
+    assert not problems, f"jet's gradient norm over bf16's outside the bounds: {problems[:8]}"
