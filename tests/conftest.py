@@ -1,4 +1,7 @@
-"""Shared fixtures: a small random causal LM saved as a model folder, built offline in a second."""
+"""Shared fixtures and helpers: a small random causal LM saved as a model folder (built offline in a second), and the
+comparison of jet's gradient with bf16's on one rollout that tests/test_train.py (CPU) and tests/test_gpu.py share."""
+import math
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -49,7 +52,8 @@ def gradient_norms_on_one_rollout(policies: dict, prompts: list, new_tokens: int
     norms, step_norms = {}, {}
     for strategy, policy in policies.items():
         config = TrainConfig(strategy=strategy, steps=1, prompts_per_step=len(prompts), grpo=GRPOConfig(num_generations=group),
-                             max_new_tokens=new_tokens, micro_batch_size=micro_batch_size, lr=1e-30, cuda_graphs=cuda_graphs)
+                             max_new_tokens=new_tokens, micro_batch_size=micro_batch_size, lr=1e-30, max_grad_norm=math.inf,
+                             cuda_graphs=cuda_graphs)          # no clipping: each strategy's gradient as it came
         run = start_run(config, policy=policy)
         old_logp = trainer_log_probs(policy, rollout, 1.0, micro_batch_size, log_probs=run.log_probs)
         step_norms[strategy] = optimize(run, rollout, old_logp, advantages)["grad_norm"]
