@@ -15,7 +15,8 @@ What it does, in order, each stage resumable (run the same command again to cont
    strategy name; a run checkpoints every step and resumes after its last checkpoint;
 3. the report: OUT/table.md (paper-shaped), OUT/summary.jsonl, the results file (one object per finished
    (strategy, seed), each marked `complete`: whether every run of the set is finished; written also when the time
-   budget stopped the call), then OUT/report.html (its figure needs plotly; without it, a note and the table only).
+   budget stopped the call; merged: rows of other runs already in the file stay, so several OUTs may share one file),
+   then OUT/report.html (its figure needs plotly; without it, a note and the table only).
 
 The base is what every seed of a comparison must share: its SFT runs with torch's deterministic algorithms (the same
 bits from the same seed and data on one kind of GPU and software), and `--base-only --base DIR` saves it as
@@ -854,12 +855,38 @@ def write_report(preset: Preset, out: Path, command: str, results: Path | None, 
     (out / "table.md").write_text(table + "\n\n" + note + "\n")
     (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if results is not None and finished:
-        done_rows = [r for r in rows if (r["strategy"], r["seed"]) in finished]
-        results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text("".join(json.dumps({k: r[k] for k in RESULT_KEYS}) + "\n" for r in done_rows))
-        curves_file(results).write_text(json.dumps(curves({k: histories[k] for k in finished})) + "\n")
+        done_rows = [{k: r[k] for k in RESULT_KEYS} for r in rows if (r["strategy"], r["seed"]) in finished]
+        merge_results(results, done_rows, curves({k: histories[k] for k in finished}))
     write_report_html(out, f"jetrl reproduce ({preset.name})", note, table, command, curves(histories), rows, preset.strategies, log)
     return table, rows
+
+def _run_key(row: dict) -> tuple:
+    "What makes a results row one run: its preset, strategy, seed and base."
+    return row.get("preset"), row["strategy"], row["seed"], row.get("base_fingerprint")
+
+def merge_results(results: Path, rows: list[dict], run_curves: dict):
+    """Write `rows` (finished runs) into the results file and `run_curves` into its `curves_file`, keeping every row and
+    curve of other runs already there (another OUT's, an earlier call's): a row of the same run (`_run_key`) is
+    replaced, the rest stay in their order. A results file that does not read as JSON lines is refused before anything
+    is written, naming the line."""
+    kept, replaced = [], {_run_key(r) for r in rows}
+    if results.exists():
+        for number, line in enumerate(results.read_text().splitlines(), 1):
+            if not line.strip(): continue
+            try: row = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{results}, line {number}, is not JSON: mend or move the file, then run again "
+                                 "(the runs are kept in OUT; nothing was written)") from None
+            if not (isinstance(row, dict) and "strategy" in row and "seed" in row and _run_key(row) in replaced): kept.append(row)
+    saved_curves = json.loads(curves_file(results).read_text()) if curves_file(results).exists() else {}
+    results.parent.mkdir(parents=True, exist_ok=True)
+    _write_replacing(results, "".join(json.dumps(r) + "\n" for r in kept + rows))
+    _write_replacing(curves_file(results), json.dumps(saved_curves | run_curves) + "\n")
+
+def _write_replacing(path: Path, text: str):
+    "Replace `path` by `text` through a temporary file and a rename: a kill leaves the old file or the new one."
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text); os.replace(tmp, path)
 
 def curves_file(results: Path) -> Path:
     "The curves saved beside a results file: reproduce_gpu.jsonl -> reproduce_gpu_curves.json."
@@ -1308,8 +1335,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--time-budget", type=float, default=0, help="seconds; stop at a step boundary before then (0: no limit)")
-    p.add_argument("--results", type=Path, help="results JSONL (default: benchmarks/results/reproduce_<device>.jsonl "
-                                                  "for the workshop and gpu presets, none for smoke)")
+    p.add_argument("--results", type=Path, help="results JSONL, merged into (other runs' rows stay; default: "
+                                                  "benchmarks/results/reproduce_<device>.jsonl for the workshop and gpu presets, none for smoke)")
     p.add_argument("--unpack", type=Path, help="restore OUT from the parts of an earlier --pack first")
     p.add_argument("--pack", type=Path, help="at the end, write OUT as <= 15 MiB parts into this folder")
     p.add_argument("--base", type=Path, metavar="DIR",

@@ -510,3 +510,21 @@ def test_a_run_that_cannot_fit_a_call_is_refused_not_started_again_and_again(tmp
     with pytest.raises(RuntimeError, match=r"jet run takes about 60 s, more than a call's whole --time-budget \(50 s\)"):
         R.run_all(R.replace(smoke, train=R.replace(smoke.train, steps=3)), out, "cpu", math.inf, log=lambda *_: None, budget_s=50)
     assert not R.run_dir(out, "jet", 0).exists()                                # nothing started
+
+
+def test_results_from_several_outs_are_merged_not_overwritten(tmp_path):
+    """Two reproduce calls with their own OUT folders and one --results file (as the README's commands run them): the
+    second keeps the first's rows and curves, a rerun of the same run replaces its row, and a damaged file is refused
+    before anything is written."""
+    results = tmp_path / "reproduce_gpu_parity.jsonl"
+    row = lambda s, seed, acc: {"preset": "gpu", "strategy": s, "seed": seed, "base_fingerprint": "b", "eval_accuracy_after": acc}
+    R.merge_results(results, [row("bf16", 0, 0.8), row("jet", 0, 0.8)], {"bf16_seed0": {"a": 1}, "jet_seed0": {"a": 2}})
+    R.merge_results(results, [row("bf16", 4, 0.9), row("jet", 0, 0.7)], {"bf16_seed4": {"a": 3}, "jet_seed0": {"a": 4}})
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["strategy"], r["seed"], r["eval_accuracy_after"]) for r in rows] == [("bf16", 0, 0.8), ("bf16", 4, 0.9), ("jet", 0, 0.7)]
+    assert json.loads(R.curves_file(results).read_text()) == {"bf16_seed0": {"a": 1}, "jet_seed0": {"a": 4}, "bf16_seed4": {"a": 3}}
+    results.write_text(results.read_text() + "{cut short\n")
+    before = results.read_text()
+    with pytest.raises(ValueError, match="line 4, is not JSON"):
+        R.merge_results(results, [row("jet", 1, 0.8)], {"jet_seed1": {}})
+    assert results.read_text() == before and "jet_seed1" not in R.curves_file(results).read_text()
