@@ -570,7 +570,8 @@ def run_all(preset: Preset, out: Path, device: str, deadline: float, log=print, 
             seconds = time.time() - started
             done = {"steps": steps_done, "seconds_this_call": round(seconds, 1), "steps_this_call": len(times),
                     "overhead_s": round(seconds - sum(times), 1),               # start-up, checkpoints: a run's seconds beside its steps
-                    "device_name": device_name(device)}                         # where its last steps ran (a row says it)
+                    "device_name": device_name(device),                         # where its last steps ran (a row says it),
+                    "software": software_versions()}                            # and with which torch, CUDA and Triton
             if preset.eval_prompts:
                 started = time.time()
                 done["eval_accuracy"] = held_out_accuracy(run.policy.model, run.policy.tokenizer, eval_rows(preset), config)
@@ -606,6 +607,12 @@ def build_base(preset: Preset, out: Path, device: str, deadline: float, into: Pa
 
 STEP_SECONDS = "step_seconds.json"   # in OUT: strategy -> mean s/step of its latest run there, finished or cut short
                                      # (a cut run's folder is left out of --pack; this small file travels)
+
+def software_versions() -> dict:
+    "The versions a run's numbers depend on besides jetrl's commit: torch, its CUDA (None on a CPU build) and Triton."
+    try: import triton; triton_version = triton.__version__
+    except ImportError: triton_version = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version}
 
 def device_name(device: str) -> str:
     "The accelerator's name as torch reports it ('NVIDIA H100 80GB HBM3'), or 'cpu'."
@@ -674,7 +681,7 @@ def run_summary(preset: Preset, strategy: str, seed: int, history: list[dict], m
             "logp_abs_diff_by_position": dict(zip(("positions", "logp_abs_diff_mean"), position_profile(history, parts=1)[0][1:])),
             "base_fingerprint": base_fingerprint, "rows_per_step": preset.train.rows_per_step,
             "overhead_s": done.get("overhead_s"), "eval_seconds": done.get("eval_seconds"), "device_name": done.get("device_name"),
-            "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command, **provenance(),
+            "software": done.get("software"), "preset": preset.name, "rollout": DESCRIPTIONS.get(strategy, strategy), "command": command, **provenance(),
             "complete": None}                                  # write_report: whether every run of the set is finished
 
 def _fmt(x, spec=".2f") -> str: return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
@@ -928,7 +935,7 @@ RESULT_KEYS = ("strategy", "seed", "model_params", "max_new_tokens", "steps", "a
                "completion_length_mean", "seconds_per_step", "clip_frac_neg_adv", "clip_frac_pos_adv", "entropy_first",
                "entropy_last", "grad_norm_mean", "kl_to_prev_policy_mean", "rollout_clip_frac_neg_adv", "rollout_clip_frac_pos_adv",
                "grad_norm_max", "kl_to_start_last", "logp_abs_diff_by_position", "base_fingerprint", "rows_per_step", "overhead_s",
-               "eval_seconds", "device_name", "preset", "complete", "command", "date", "git_sha")
+               "eval_seconds", "device_name", "software", "preset", "complete", "command", "date", "git_sha")
 
 def _count_params(model_name: str) -> int:
     config = Path(model_name) / "config.json"

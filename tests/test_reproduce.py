@@ -162,6 +162,7 @@ def test_a_budget_stopped_set_without_plotly_still_writes_its_finished_runs(tmp_
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert [(r["strategy"], r["seed"], r["complete"]) for r in lines] == [("bf16", 0, False)]   # finished runs only
     assert lines[0]["eval_accuracy_after"] is not None and set(R.RESULT_KEYS) <= set(lines[0])
+    assert lines[0]["software"]["torch"] == torch.__version__                    # what the numbers ran on, besides the commit
     assert [r["strategy"] for r in rows] == ["bf16", "fp8-rollout"] and "| `fp8-rollout` |" in table   # the table shows both
     assert len((out / "summary.jsonl").read_text().splitlines()) == 2 and "Incomplete: 1 of 2" in (out / "table.md").read_text()
     assert "plotly" in said[0] and "<pre>" in (out / "report.html").read_text()
