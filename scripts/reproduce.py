@@ -885,7 +885,10 @@ def merge_results(results: Path, rows: list[dict], run_curves: dict):
                 raise ValueError(f"{results}, line {number}, is not JSON: mend or move the file, then run again "
                                  "(the runs are kept in OUT; nothing was written)") from None
             if not (isinstance(row, dict) and "strategy" in row and "seed" in row and _run_key(row) in replaced): kept.append(row)
-    saved_curves = json.loads(curves_file(results).read_text()) if curves_file(results).exists() else {}
+    try: saved_curves = json.loads(curves_file(results).read_text()) if curves_file(results).exists() else {}
+    except ValueError:
+        raise ValueError(f"{curves_file(results)} is not JSON: mend or move it, then run again (the runs are kept in OUT; "
+                         "nothing was written)") from None
     results.parent.mkdir(parents=True, exist_ok=True)
     _write_replacing(results, "".join(json.dumps(r) + "\n" for r in kept + rows))
     _write_replacing(curves_file(results), json.dumps(saved_curves | run_curves) + "\n")

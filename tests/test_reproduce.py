@@ -529,3 +529,7 @@ def test_results_from_several_outs_are_merged_not_overwritten(tmp_path):
     with pytest.raises(ValueError, match="line 4, is not JSON"):
         R.merge_results(results, [row("jet", 1, 0.8)], {"jet_seed1": {}})
     assert results.read_text() == before and "jet_seed1" not in R.curves_file(results).read_text()
+    results.write_text(before.splitlines(keepends=True)[0]); R.curves_file(results).write_text("{cut")
+    with pytest.raises(ValueError, match="_curves.json is not JSON"):
+        R.merge_results(results, [row("jet", 1, 0.8)], {"jet_seed1": {}})
+    assert len(results.read_text().splitlines()) == 1                              # nothing written
