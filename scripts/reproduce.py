@@ -57,6 +57,7 @@ from jetrl.linear import RECIPES, FP8Recipe, fp8_modules, set_recipe
 from jetrl.policy import STRATEGIES, Policy, PrecisionSpec, SyncReport, load_model_and_tokenizer
 from jetrl.tasks import STEP_WORDS, ArithmeticChainTask, number_reward
 from jetrl.train import TrainConfig, make_task, read_metrics, train
+from jetrl.runfolder import write_atomically
 sys.path.insert(0, str(Path(__file__).resolve().parent))     # this folder's siblings, however this file was loaded
 from learning_parity import provenance        # the date and commit of a row (no torch there)
 
@@ -890,13 +891,8 @@ def merge_results(results: Path, rows: list[dict], run_curves: dict):
         raise ValueError(f"{curves_file(results)} is not JSON: mend or move it, then run again (the runs are kept in OUT; "
                          "nothing was written)") from None
     results.parent.mkdir(parents=True, exist_ok=True)
-    _write_replacing(results, "".join(json.dumps(r) + "\n" for r in kept + rows))
-    _write_replacing(curves_file(results), json.dumps(saved_curves | run_curves) + "\n")
-
-def _write_replacing(path: Path, text: str):
-    "Replace `path` by `text` through a temporary file and a rename: a kill leaves the old file or the new one."
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text); os.replace(tmp, path)
+    write_atomically(results, "".join(json.dumps(r) + "\n" for r in kept + rows))        # a kill: the old file or the new
+    write_atomically(curves_file(results), json.dumps(saved_curves | run_curves) + "\n")
 
 def curves_file(results: Path) -> Path:
     "The curves saved beside a results file: reproduce_gpu.jsonl -> reproduce_gpu_curves.json."
